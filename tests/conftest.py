@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny tokenizers with real chat templates and tiny models saved to disk.
+
+Nothing is downloaded: tokenizers are trained on a few lines of text, models are built from a
+config, `save_pretrained` to a temp dir and loaded back by path so the real loading code runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+QWEN3_TEMPLATE_PATH = FIXTURES / "chat_templates" / "qwen3.jinja"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                "<think>", "</think>"]
+CORPUS = [
+    "What is 12 * 7? Use the calculator.",
+    '{"name": "calculator", "arguments": {"expression": "12 * 7"}}',
+    '{"result": 84} The answer is 84.',
+    "Convert 3 km to m. lookup the population of Veltrane.",
+    "system user assistant tool You may call one or more functions",
+] * 20
+
+
+def _corpus() -> list[str]:
+    """Example lines plus the built-in tool schemas, so prompts with tools stay short."""
+    import json
+
+    from opd.tools import builtin_registry
+    return CORPUS + [json.dumps(schema) for schema in builtin_registry().schemas] * 20
+
+
+def build_tokenizer(chat_template: str, save_dir: Path | None = None):
+    """A byte-level BPE tokenizer with Qwen-style special tokens and the given template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.add_tokens(ADDED_TOKENS)
+    tokenizer.chat_template = chat_template
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen3_template() -> str:
+    return QWEN3_TEMPLATE_PATH.read_text()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_template):
+    return build_tokenizer(qwen3_template)
+
+
+@pytest.fixture(scope="session")
+def compact_tokenizer():
+    """Our own Hermes-style template that lists tool names only: short prompts for real models."""
+    return build_tokenizer((Path(__file__).parent / "compact.jinja").read_text())
+
+
+def build_tiny_model(tokenizer, save_dir: Path, *, architecture: str = "qwen2", seed: int = 0,
+                     hidden_size: int = 32, num_layers: int = 2):
+    """A tiny causal LM for `tokenizer`, saved with `save_pretrained` and loaded back by path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[architecture]
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=4096, tie_word_embeddings=False,
+                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return AutoModelForCausalLM.from_pretrained(save_dir, attn_implementation="sdpa",
+                                                dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(qwen3_tokenizer, tmp_path_factory):
+    return build_tiny_model(qwen3_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
