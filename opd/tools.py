@@ -1,0 +1,440 @@
+"""Student tool calls: parse them, validate them against their schema, run them in a sandbox.
+
+A tool call must never cost the rank. A call that does not parse or does not match its tool's
+schema is "invalid"; a call that hangs, raises, kills its process, prints without end, allocates
+wildly or returns something JSON cannot hold is "failed". Either way the student sees one
+`{"error": "..."}` observation. Every result content is a JSON text of at most
+`max_result_chars` characters: an over-long result becomes `{"truncated": "<prefix of its JSON>"}`
+(the seed cut the JSON text mid-token instead).
+"""
+
+import json
+import multiprocessing.connection
+import pickle
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from opd import tool_worker
+from opd.toy_tools import (  # noqa: F401  (public constants of the toy world, re-exported)
+    LOOKUP_ATTRIBUTES, LOOKUP_TABLE, TEMPERATURE_UNITS, TOOL_FUNCTIONS, TOOL_SCHEMAS,
+    UNIT_DIMENSIONS, UNIT_FACTORS,
+)
+
+
+@dataclass
+class ToolCall:
+    """One call parsed from the student's text; `error` is set when it is malformed."""
+    name: str | None
+    arguments: dict | None
+    error: str | None = None
+    raw: str = ""
+
+
+ToolCallParser = Callable[[str], list[ToolCall]]
+
+# Same shape as vLLM's Hermes parser: a final <tool_call> without its closing tag still counts,
+# because a student that stops right after the JSON meant the call.
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
+    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order.
+
+    Arguments may be an object or a JSON string holding one, and default to {} when absent (as
+    in the seed). A malformed call comes back with `error` set; nothing raises.
+    """
+    calls = []
+    for match in _HERMES_CALL.finditer(text):
+        closed = match.group(1) is not None
+        call = _parse_call_json(match.group(1) if closed else match.group(2), match.group(0))
+        if call.error and not closed:
+            call.error += " (the <tool_call> is not closed)"
+        calls.append(call)
+    return calls
+
+
+def _reject_constant(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _parse_call_json(body: str, raw: str) -> ToolCall:
+    try:
+        payload = _loads(body)
+    except (ValueError, RecursionError) as exc:
+        return ToolCall(None, None, f"tool call is not valid JSON: {exc}", raw)
+    if not isinstance(payload, dict):
+        return ToolCall(None, None, 'tool call must be a JSON object with "name" and '
+                                    f'"arguments", got {_json_type(payload)}', raw)
+    name = payload.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, None, 'tool call has no "name" string', raw)
+    arguments = payload.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = _loads(arguments)
+        except (ValueError, RecursionError) as exc:
+            return ToolCall(name, None, f"arguments of tool {name!r} are a string that is not "
+                                        f"valid JSON: {exc}", raw)
+    if not isinstance(arguments, dict):
+        return ToolCall(name, None, f"arguments of tool {name!r} must be a JSON object, "
+                                    f"got {_json_type(arguments)}", raw)
+    return ToolCall(name, arguments, None, raw)
+
+
+_PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes_tool_calls}
+
+
+def register_parser(name: str, parser: ToolCallParser) -> None:
+    if name in _PARSERS and _PARSERS[name] is not parser:
+        raise ValueError(f"a tool-call parser named {name!r} is already registered")
+    _PARSERS[name] = parser
+
+
+def get_parser(name: str) -> ToolCallParser:
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; registered: {', '.join(_PARSERS)}")
+    return _PARSERS[name]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """An OpenAI-style function schema and the module-level function it calls as fn(**arguments)."""
+    schema: dict
+    fn: Callable[..., Any]
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+_JSON_TYPES = {"string", "number", "integer", "boolean", "array", "object", "null"}
+
+
+class ToolRegistry:
+    """Tools by name, and argument validation against a JSON-schema subset: type (one or a list),
+    enum, properties, required, additionalProperties (default false: extra keys would reach
+    fn(**arguments)), items. Other keywords (minimum, pattern, ...) are not checked."""
+
+    def __init__(self, tools: Sequence[Tool]):
+        self.tools = tuple(tools)
+        self._by_name: dict[str, Tool] = {}
+        for tool in self.tools:
+            _check_tool(tool)
+            if tool.name in self._by_name:
+                raise ValueError(f"two tools are named {tool.name!r}")
+            self._by_name[tool.name] = tool
+        self.schemas: list[dict] = [tool.schema for tool in self.tools]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def validate(self, call: ToolCall) -> str | None:
+        """The sentence the student sees for an invalid call, or None when the call is valid."""
+        if call.error is not None:
+            return call.error
+        tool = self._by_name.get(call.name)
+        if tool is None:
+            return f"unknown tool {call.name!r}; available tools: {', '.join(self._by_name)}"
+        if not isinstance(call.arguments, dict):
+            return (f"arguments of tool {tool.name!r} must be a JSON object, "
+                    f"got {_json_type(call.arguments)}")
+        parameters = {"properties": {}, **tool.schema["function"].get("parameters", {})}
+        return _schema_error(call.arguments, parameters, tool.name, ())
+
+
+def _check_tool(tool: Tool) -> None:
+    schema = tool.schema if isinstance(tool.schema, dict) else {}
+    function = schema.get("function")
+    if schema.get("type") != "function" or not isinstance(function, dict) \
+            or not isinstance(function.get("name"), str):
+        raise ValueError(f'a tool schema must look like {{"type": "function", "function": '
+                         f'{{"name": ..., "parameters": {{...}}}}}}, got {tool.schema!r}')
+    parameters = function.get("parameters", {"type": "object"})
+    if not isinstance(parameters, dict) or parameters.get("type") != "object":
+        raise ValueError(f"parameters of tool {tool.name!r} must have type 'object'")
+    _check_schema_types(parameters, tool.name)
+    if not callable(tool.fn):
+        raise ValueError(f"the function of tool {tool.name!r} is not callable: {tool.fn!r}")
+    try:
+        pickle.dumps(tool.fn)
+        importable = getattr(tool.fn, "__module__", None) != "__main__"
+    except Exception:
+        importable = False
+    if not importable:
+        raise ValueError(f"the function of tool {tool.name!r} ({tool.fn!r}) cannot be sent to a "
+                         "worker process: define it at module level in an importable module, "
+                         "not in the main script")
+
+
+def _check_schema_types(schema: dict, tool_name: str) -> None:
+    types = schema.get("type", [])
+    for type_name in [types] if isinstance(types, str) else types:
+        if type_name not in _JSON_TYPES:
+            raise ValueError(f"tool {tool_name!r} uses unsupported schema type {type_name!r}; "
+                             f"use one of {', '.join(sorted(_JSON_TYPES))}")
+    children = list(schema.get("properties", {}).values())
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            children.append(schema[key])
+    for child in children:
+        _check_schema_types(child, tool_name)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    names = {str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _is_type(value: Any, type_name: str) -> bool:
+    if type_name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or \
+            (isinstance(value, float) and value.is_integer())
+    if type_name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    python_types = {"string": str, "boolean": bool, "array": list, "object": dict,
+                    "null": type(None)}
+    return isinstance(value, python_types[type_name])
+
+
+def _same_json_value(a: Any, b: Any) -> bool:
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def _schema_error(value: Any, schema: dict, tool: str, path: tuple) -> str | None:
+    where = f"tool {tool!r}: argument {''.join(path).lstrip('.')!r}" if path else f"tool {tool!r}"
+    types = schema.get("type")
+    if types is not None:
+        allowed = [types] if isinstance(types, str) else types
+        if not any(_is_type(value, type_name) for type_name in allowed):
+            shown = json.dumps(value, ensure_ascii=False)[:60]
+            return (f"{where} must be of type {' or '.join(allowed)}, "
+                    f"got {_json_type(value)} ({shown})")
+    if "enum" in schema and not any(_same_json_value(value, option) for option in schema["enum"]):
+        options = ", ".join(json.dumps(option, ensure_ascii=False) for option in schema["enum"])
+        return f"{where} must be one of {options}, got {json.dumps(value, ensure_ascii=False)[:60]}"
+    if isinstance(value, dict) and "properties" in schema:
+        properties = schema["properties"]
+        for key in schema.get("required", []):
+            if key not in value:
+                missing = "".join(path + ("." + key,)).lstrip(".")
+                return f"{where} is missing required argument {missing!r}"
+        extra = schema.get("additionalProperties", False)
+        for key, item in value.items():
+            child = properties.get(key, extra if isinstance(extra, dict) else None)
+            if child is not None:
+                error = _schema_error(item, child, tool, path + ("." + key,))
+                if error:
+                    return error
+            elif extra is not True:
+                return (f"{where} got unexpected argument {key!r}; "
+                        f"it takes: {', '.join(properties)}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            error = _schema_error(item, schema["items"], tool, path + (f"[{index}]",))
+            if error:
+                return error
+    return None
+
+
+@dataclass
+class ToolResult:
+    content: str   # JSON text shown to the student, at most max_result_chars characters
+    status: str    # "ok" | "invalid" | "failed"
+
+
+@dataclass
+class ToolCallCounts:
+    """Per trajectory; each call counts once: ok -> valid, else invalid or failed."""
+    valid: int = 0
+    invalid: int = 0
+    failed: int = 0
+
+    def add(self, results: Iterable[ToolResult]) -> None:
+        for result in results:
+            field = {"ok": "valid", "invalid": "invalid", "failed": "failed"}[result.status]
+            setattr(self, field, getattr(self, field) + 1)
+
+
+# The worker is a fresh interpreter, not a fork (the parent may be a trainer rank with threads)
+# nor a multiprocessing spawn (which would re-import the trainer script, torch included).
+_WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[2:]; "
+                     "from opd.tool_worker import serve; serve(int(sys.argv[1]))")
+
+
+class _Worker:
+    """Parent-side handle of one worker process; its socket reaches EOF when the worker dies."""
+
+    def __init__(self, setup: bytes, start_timeout_s: float):
+        parent_socket, child_socket = socket.socketpair()
+        with child_socket:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_BOOTSTRAP, str(child_socket.fileno()), *sys.path],
+                pass_fds=(child_socket.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, start_new_session=True)  # Ctrl-C is for the parent
+        self.conn = multiprocessing.connection.Connection(parent_socket.detach())
+        self.conn.send_bytes(setup)
+        self.ready = False
+        self.job: tuple[int, str] | None = None  # (index in the flat batch, tool name)
+        self.deadline = time.monotonic() + start_timeout_s
+
+    def stop(self) -> int:
+        """Kill (a no-op when it already exited) and reap; returns the exit code."""
+        self.process.kill()
+        self.conn.close()
+        return self.process.wait()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+    workers.clear()
+
+
+class ToolExecutor:
+    """A pool of worker processes with a wall-clock timeout per call; never raises for a tool's
+    fault. Workers start on first use and are reused; one that times out or dies is killed and
+    replaced. Each worker has `memory_limit_mb` of address space beyond its start-up footprint,
+    and no stdout/stderr. Safe to call from any thread; concurrent calls are serialised."""
+
+    def __init__(self, registry: ToolRegistry, *, timeout_s: float = 10.0,
+                 max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
+                 start_timeout_s: float = 60.0):
+        if min(timeout_s, num_workers, memory_limit_mb, start_timeout_s) <= 0:
+            raise ValueError("ToolExecutor timeout_s, num_workers, memory_limit_mb and "
+                             "start_timeout_s must be positive")
+        if max_result_chars < 64:
+            raise ValueError(f"ToolExecutor max_result_chars must be at least 64 to hold an "
+                             f"error, got {max_result_chars}")
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self.max_result_chars = max_result_chars
+        self.num_workers = num_workers
+        self.start_timeout_s = start_timeout_s
+        functions = {tool.name: tool.fn for tool in registry.tools}
+        self._setup = pickle.dumps((functions, max_result_chars, memory_limit_mb))
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+
+    def __enter__(self) -> "ToolExecutor":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def run_batch(self, calls_per_row: list[list[ToolCall]]) -> list[list[ToolResult]]:
+        """Results in the same nesting and order; all valid calls of all rows run concurrently."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this ToolExecutor is closed")
+            flat = [call for row in calls_per_row for call in row]
+            results: list[ToolResult | None] = [None] * len(flat)
+            pending: deque[tuple[int, ToolCall]] = deque()
+            for index, call in enumerate(flat):
+                error = self.registry.validate(call)
+                if error is None:
+                    pending.append((index, call))
+                else:
+                    results[index] = self._error(error, "invalid")
+            try:
+                if pending:
+                    self._run(pending, results)
+            except BaseException:  # e.g. Ctrl-C: replies in flight would land in the next batch
+                _stop_workers(self._workers)
+                raise
+        rows, start = [], 0
+        for row in calls_per_row:
+            rows.append(results[start:start + len(row)])
+            start += len(row)
+        return rows
+
+    def _error(self, message: str, status: str) -> ToolResult:
+        return ToolResult(tool_worker.error_content(message, self.max_result_chars), status)
+
+    def _run(self, pending: deque, results: list) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._setup, self.start_timeout_s))
+        while pending or any(worker.job for worker in self._workers):
+            for position, worker in enumerate(self._workers):
+                if worker.ready and worker.job is None and pending:
+                    index, call = pending.popleft()
+                    try:
+                        worker.conn.send((call.name, call.arguments))
+                    except OSError:  # died while idle: the call never ran, so it waits for another
+                        pending.appendleft((index, call))
+                        worker.stop()
+                        self._workers[position] = _Worker(self._setup, self.start_timeout_s)
+                        continue
+                    worker.job = (index, call.name)
+                    worker.deadline = time.monotonic() + self.timeout_s
+            waiting = [worker for worker in self._workers if worker.job or not worker.ready]
+            ready = multiprocessing.connection.wait(
+                [worker.conn for worker in waiting],
+                timeout=max(min(worker.deadline for worker in waiting) - time.monotonic(), 0.0))
+            for position, worker in enumerate(self._workers):
+                if worker in waiting:
+                    self._workers[position] = self._settle(worker, worker.conn in ready, results)
+
+    def _settle(self, worker: _Worker, readable: bool, results: list) -> _Worker:
+        """Take the worker's message, or handle its death or timeout; return who takes its place."""
+        if readable:
+            try:
+                status, content = worker.conn.recv()
+            except (EOFError, OSError):
+                status, content = "died", ""
+            if status == "ready":
+                worker.ready = True
+                return worker
+            if status in ("ok", "failed"):
+                results[worker.job[0]] = ToolResult(content, status)
+                worker.job = None
+                return worker
+            exit_code = worker.stop()
+            if worker.job is None:
+                _stop_workers(self._workers)
+                raise RuntimeError(f"a tool worker exited with code {exit_code} before it was "
+                                   f"ready: {content or 'see its traceback on stderr'}")
+            results[worker.job[0]] = self._error(
+                f"tool {worker.job[1]!r} crashed its worker process (exit code {exit_code})",
+                "failed")
+        elif time.monotonic() < worker.deadline:
+            return worker
+        else:
+            worker.stop()
+            if worker.job is None:
+                _stop_workers(self._workers)
+                raise RuntimeError(
+                    f"a tool worker did not start within {self.start_timeout_s:g} s")
+            results[worker.job[0]] = self._error(
+                f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
+        return _Worker(self._setup, self.start_timeout_s)
+
+
+def builtin_registry() -> ToolRegistry:
+    """The toolcalc world's tools: calculator, convert_units, lookup."""
+    return ToolRegistry([Tool(schema, TOOL_FUNCTIONS[schema["function"]["name"]])
+                         for schema in TOOL_SCHEMAS])
