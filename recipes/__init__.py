@@ -1,0 +1,1 @@
+"""Reproducible runs of opd; `recipes.toolcalc` is the embedded toy world."""
