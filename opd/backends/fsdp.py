@@ -1,0 +1,123 @@
+"""PyTorch FSDP2 student: `fully_shard` per decoder layer, then the root.
+
+Mixed precision computes in bf16 on GPU and reduces gradients in fp32; the sharded parameters
+stay fp32 and are the optimizer's master copy. FSDP2 has one offload policy, so either
+`student.offload_*` moves parameters, gradients and the optimizer step to the host.
+
+Generation with `gather=True` unshards every layer once and turns off resharding after forward
+for the rollout phase, so decoding a token runs no collective at all.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from opd.backends import DistillModule, GenerationModel, StudentEngine, adamw_param_groups, \
+    decoder_layers, load_causal_lm, resolve_precision
+
+
+class FSDPStudent(StudentEngine):
+    def __init__(self, config, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, \
+            fully_shard
+
+        self.world = world
+        precision = resolve_precision(config.student.precision, config.student.attn_implementation,
+                                      world.device)
+        self.hf_model = load_causal_lm(config.model.student, torch.float32,
+                                       precision.attn_implementation, "model.student")
+        if config.student.gradient_checkpointing:
+            self.hf_model.gradient_checkpointing_enable({"use_reentrant": False})
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
+        # On a CPU-only host everything already lives in host memory.
+        offload = "cpu" in (config.student.offload_optimizer, config.student.offload_param) \
+            and world.device.type == "cuda"
+        shard_kwargs = dict(
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        self.layers = list(decoder_layers(self.hf_model))
+        for layer in self.layers:
+            fully_shard(layer, **shard_kwargs)
+        self.root = fully_shard(DistillModule(self.hf_model), **shard_kwargs)
+        self.optimizer = torch.optim.AdamW(
+            adamw_param_groups(self.root, config.optim.weight_decay), lr=config.optim.lr,
+            betas=tuple(config.optim.betas), eps=config.optim.eps, foreach=False)
+        self.grad_clip = config.optim.grad_clip
+        # FSDP elects its root at the first forward: run one through the real root now, so a
+        # rollout that calls the layers directly cannot elect a layer.
+        with torch.no_grad():
+            self.root(generate={"input_ids": torch.zeros((1, 1), dtype=torch.long,
+                                                         device=world.device),
+                                "use_cache": False, "logits_to_keep": 1})
+
+    def loss(self, input_ids, position_ids, head_loss):
+        return self.root(input_ids=input_ids, position_ids=position_ids, head_loss=head_loss)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.root.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @contextmanager
+    def generation_context(self, gather: bool):
+        if not gather:
+            yield GenerationModel(self.root, self.hf_model)
+            return
+        modules = [*self.layers, self.root]
+        for module in modules:
+            module.unshard()
+        for layer in self.layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield self.hf_model
+        finally:
+            for layer in self.layers:
+                layer.set_reshard_after_forward(True, recurse=False)
+            for module in modules:
+                module.reshard()
+
+    def _state(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        return get_state_dict(self.root, self.optimizer)
+
+    def save(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        model_state, optim_state = self._state()
+        dcp.save({"model": model_state, "optim": optim_state},
+                 checkpoint_id=str(directory / "fsdp"))
+
+    def load(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if not (directory / "fsdp").is_dir():
+            raise FileNotFoundError(f"No FSDP checkpoint under {directory}.")
+        model_state, optim_state = self._state()
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(directory / "fsdp"))
+        set_state_dict(self.root, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def export_hf(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.world.is_main:
+            prefix = "model."
+            weights = {name[len(prefix):]: tensor for name, tensor in state.items()}
+            self.hf_model.save_pretrained(directory, state_dict=weights)

@@ -1,0 +1,151 @@
+"""Process-group setup and the few collectives the trainer needs.
+
+The same entry point runs under `deepspeed`, `torchrun`, `srun` (one task per rank) and plain
+`python`: rank and world come from RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
+(Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when a task was started by srun directly),
+and a process started without them is a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+COLLECTIVE_TIMEOUT_MIN = 60
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launcher_env() -> None:
+    """Fill the torch.distributed environment from Slurm, or as a world of one."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if "MASTER_ADDR" not in env:
+            raise RuntimeError("Started by srun without a launcher: export MASTER_ADDR (the first "
+                               "node's hostname) and MASTER_PORT before srun.")
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    if "RANK" not in env:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", env["WORLD_SIZE"]))
+    # DeepSpeed's CPU shared-memory all-reduce (tensor-parallel inference) only initialises when
+    # LOCAL_SIZE equals the world size, yet runs either way; torchrun does not set it.
+    env.setdefault("LOCAL_SIZE", env["LOCAL_WORLD_SIZE"])
+
+
+def init_world(device: str = "auto", backend: str = "auto", threads: int = 0) -> World:
+    """Join (or create) the default process group; idempotent."""
+    _launcher_env()
+    env = os.environ
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank, local_world_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        where = torch.device("cuda", local_rank)
+    else:
+        where = torch.device("cpu")
+    if threads or where.type == "cpu":
+        # Ranks on one host share its cores; oversubscribed BLAS threads slow every rank down.
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world_size))
+    if not dist.is_initialized():
+        chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        # Long enough for the waits on rank 0's work (prepare, eval) at a barrier.
+        dist.init_process_group(chosen, rank=rank, world_size=world_size,
+                                device_id=where if use_cuda else None,
+                                timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN))
+    return World(rank, world_size, local_rank, local_world_size, where)
+
+
+def init_deepspeed_comm(world: World) -> None:
+    """Hand the existing process group to DeepSpeed's communication layer."""
+    import deepspeed
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    if world.local_world_size != world.world_size and world.device.type == "cpu":
+        # The CPU shared-memory all-reduce needs every rank on one host; across hosts it would
+        # read an uninitialised buffer, so fall back to the process group.
+        comm.comm.cdb.shm_vector_kernel_level = 0
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce(values: list[float], op: str = "sum",
+               device: torch.device | None = None) -> list[float]:
+    """Element-wise sum or max of a few floats over all ranks (float64 on the wire)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device or _comm_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def lockstep() -> Callable[[bool], bool]:
+    """`sync(has_work) -> any rank has work`: one all-reduce MAX per collective forward step."""
+    def sync(has_work: bool) -> bool:
+        return all_reduce([float(has_work)], op="max")[0] > 0
+    return sync
+
+
+def broadcast_object(value, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_objects(value) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

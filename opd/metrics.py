@@ -1,0 +1,123 @@
+"""Per-step metrics: `metrics.jsonl` (one JSON object per optimizer step), wandb, and a plot.
+
+Only rank 0 writes. wandb runs offline unless the recipe says `logging.wandb_mode: online`, so a
+run never reaches for the network or a login by default; `disabled` skips it entirely.
+
+    python -m opd.metrics plot runs/<name>/metrics.jsonl [--out metrics.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+PLOTTED = ("loss", "kl_per_token", "grad_norm", "lr", "target_tokens", "tokens_per_s",
+           "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "rollout_s",
+           "teacher_s", "train_s")
+
+
+class MetricsLog:
+    """Appends step records to `metrics.jsonl` (rank 0) and mirrors them to wandb."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, resume_step: int = 0,
+                 wandb_mode: str = "disabled", wandb_project: str = "opd-recipes",
+                 run_name: str = "run", config: dict | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Steps after the checkpoint being resumed are rerun: drop their old records.
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] \
+            if self.path.exists() else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if wandb_mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir),
+                                    mode=wandb_mode, config=config, resume="allow",
+                                    id=f"{run_name}".replace("/", "-"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                           step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"Metrics file {path} does not exist.")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path} line {number} is not valid JSON.") from None
+    return records
+
+
+def plot(metrics_path: str | Path, out_path: str | Path) -> Path:
+    """One small panel per metric against the optimizer step, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    if not records:
+        raise ValueError(f"{metrics_path} has no records to plot.")
+    keys = [k for k in PLOTTED if any(_number(r.get(k)) for r in records)]
+    columns = 3
+    rows = math.ceil(len(keys) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 2.6 * rows), squeeze=False)
+    for axis, key in zip(axes.flat, keys):
+        points = [(r["step"], r[key]) for r in records if _number(r.get(key))]
+        axis.plot([p[0] for p in points], [p[1] for p in points],
+                  marker="." if len(points) < 50 else None)
+        axis.set_title(key, fontsize=9)
+        axis.set_xlabel("step", fontsize=8)
+        axis.tick_params(labelsize=7)
+    for axis in list(axes.flat)[len(keys):]:
+        axis.axis("off")
+    figure.tight_layout()
+    out_path = Path(out_path)
+    figure.savefig(out_path, dpi=100)
+    plt.close(figure)
+    return out_path
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m opd.metrics")
+    commands = parser.add_subparsers(dest="command", required=True)
+    draw = commands.add_parser("plot", help="draw metrics.jsonl as a PNG")
+    draw.add_argument("metrics", help="path to metrics.jsonl")
+    draw.add_argument("--out", help="PNG path (default: metrics.png beside the input)")
+    args = parser.parse_args(argv)
+    try:
+        out = plot(args.metrics, args.out or Path(args.metrics).with_suffix(".png"))
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: {error}")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
