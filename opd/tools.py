@@ -12,6 +12,7 @@ import json
 import multiprocessing.connection
 import pickle
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -284,11 +285,18 @@ class _Worker:
 
     def __init__(self, setup: bytes, start_timeout_s: float):
         parent_socket, child_socket = socket.socketpair()
-        with child_socket:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOTSTRAP, str(child_socket.fileno()), *sys.path],
-                pass_fds=(child_socket.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, start_new_session=True)  # Ctrl-C is for the parent
+        # Slurm's warning signal (USR1) reaches every process of a job step and would kill a
+        # worker mid-call; the worker inherits it blocked (the mask survives fork and exec).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            with child_socket:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_BOOTSTRAP, str(child_socket.fileno()),
+                     *sys.path],
+                    pass_fds=(child_socket.fileno(),), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, start_new_session=True)  # Ctrl-C is for the parent
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.conn = multiprocessing.connection.Connection(parent_socket.detach())
         self.conn.send_bytes(setup)
         self.ready = False

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One launcher per node, started by `srun --ntasks-per-node=1` from the sbatch file that
+# launch/submit.py writes: torchrun starts this node's ranks of a static rendezvous whose layout
+# comes from Slurm (node count and this node's index) and from the sbatch file (MASTER_ADDR,
+# MASTER_PORT).
+#
+#   node.sh PROCS_PER_NODE PYTHON SCRIPT [ARG ...]
+set -euo pipefail
+procs_per_node=$1
+python=$2
+shift 2
+: "${MASTER_ADDR:?is not set: the sbatch file exports the first node of the allocation}"
+: "${MASTER_PORT:?is not set: the sbatch file derives it from the job id}"
+
+# Slurm's warning signal (--signal=USR1@N) reaches every process of the step. It is meant for
+# the ranks, which stop at a step boundary and checkpoint (opd/preemption.py); for torchrun it
+# would be fatal and take the ranks down first. An ignored signal stays ignored across exec, and
+# the ranks install their own handler.
+trap '' USR1
+exec "$python" -m torch.distributed.run --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" \
+    --nproc_per_node="$procs_per_node" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
+    --max_restarts=0 "$@"

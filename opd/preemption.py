@@ -1,0 +1,86 @@
+"""Preemption-safe stopping: a signal asks, every rank agrees at a step boundary, the job requeues.
+
+Slurm warns a job before its time limit or a preemption with a signal (`#SBATCH
+--signal=USR1@120`) and ends it with SIGTERM. Both only set a flag here: stopping in the middle of
+a step, or of a checkpoint, would leave ranks out of step. At each step boundary the trainer asks
+`stop_requested()`, a MAX all-reduce of the flag, so that all ranks stop after the same step even
+when only some were signalled; it then writes a checkpoint and calls `requeue()`, and the job
+restarts from that checkpoint. A rank that cannot reach a step boundary in time is ended by
+SIGKILL, from its launcher (torchrun waits 30 s after forwarding SIGTERM) or from Slurm (KillWait);
+the checkpoint it was writing, if any, stays invisible to resume (opd.checkpoint writes atomically).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_received: list[str] = []  # names of the stop signals this process got, in order
+
+
+def _on_signal(signum: int, frame) -> None:
+    _received.append(signal.Signals(signum).name)
+
+
+def install(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+    """Turn `signals` into a stop request; call once from the main thread before training."""
+    for signum in signals:
+        signal.signal(signum, _on_signal)
+        # Restart interrupted system calls: a signal must not fail a collective in flight.
+        signal.siginterrupt(signum, False)
+
+
+def received() -> str | None:
+    """The first stop signal this process got (e.g. "SIGUSR1"), or None."""
+    return _received[0] if _received else None
+
+
+def stop_requested(group=None) -> bool:
+    """Whether any rank of `group` got a stop signal. Collective: every rank calls it each step."""
+    local = bool(_received)
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([float(local)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def requeue() -> bool:
+    """Ask Slurm to run this job again; call after the stop checkpoint is complete.
+
+    Any rank may call it; only global rank 0 asks. Slurm then ends the running job and later
+    starts it afresh, and the trainer resumes from the newest complete checkpoint. Returns
+    whether the job was requeued: outside Slurm, or when Slurm refuses (a job submitted with
+    --no-requeue, or already cancelled), it says how to resume by hand instead.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return False
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        print("Stopped on request after a checkpoint; run the same command again to resume.",
+              file=sys.stderr, flush=True)
+        return False
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        failure = str(error)
+    else:
+        if result.returncode == 0:
+            print(f"Stopped after a checkpoint; Slurm job {job} requeued to resume from it.",
+                  file=sys.stderr, flush=True)
+            return True
+        failure = result.stderr.strip() or f"exit status {result.returncode}"
+    print(f"Stopped after a checkpoint, but `scontrol requeue {job}` failed ({failure}); "
+          "submit the job again to resume.", file=sys.stderr, flush=True)
+    return False
