@@ -4,9 +4,9 @@
 
 Both sides train fully on-policy (TRL: lmbda=1, beta=0, i.e. forward KL; ours: forward_kl),
 temperature 1, one turn per conversation (TRL's GKD is single-turn), the same prompts, batch and
-generation budget, AdamW at the same constant learning rate. The models are the toolcalc
-shapes (student 64 hidden x 2 layers, teacher 256 x 4, one 1,024-token vocabulary), freshly
-initialised, so both sides sample to the full budget. The first step of each side is a warm-up;
+generation budget, AdamW at the same constant learning rate. The models are Llama shapes on
+the toolcalc tokenizer (student 64 hidden x 2 layers, teacher 256 x 4), freshly initialised, so
+both sides sample to the full budget. The first step of each side is a warm-up;
 figures are medians over the other steps' wall times (robust to a machine shared with other
 work). Prints one JSON line per trainer: optimizer steps/s, target tokens/s and the ratio to
 TRL. TRL is a bench-only dependency (`pip install trl`); without it the TRL line says

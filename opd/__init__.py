@@ -12,6 +12,8 @@ _PUBLIC = {
     "tool_observation": "opd.chat",
     "pack_trajectories": "opd.packing",
     "distillation_loss": "opd.loss",
+    "fused_distillation_loss": "opd.loss",
+    "TopKTeacher": "opd.loss",
 }
 
 __all__ = sorted(_PUBLIC)
