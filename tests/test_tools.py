@@ -268,6 +268,16 @@ def test_idle_worker_killed_between_batches_is_replaced(executor):
     assert not pids & {int(r.content) for r in results}
 
 
+def test_slurm_warning_signal_does_not_kill_workers(executor):
+    """Slurm's USR1 reaches every process of the job step, tool workers included."""
+    pids = {int(r.content) for r in executor.run_batch([[_call("pid")] * 8])[0]}
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    results = executor.run_batch([[_call("pid")] * 8])[0]
+    assert [r.status for r in results] == ["ok"] * 8, results
+    assert {int(r.content) for r in results} == pids  # the same workers, none replaced
+
+
 def test_runs_from_threads(executor):
     outcome = {}
 
