@@ -122,6 +122,7 @@ def _vocab_parallel_worker(rank, port):
             with pytest.raises(ValueError, match="vocab_size=15 must be between 20 and 38"):
                 distillation_loss(torch.zeros(1, 2, 19), torch.zeros(1, 2, 19), ones,
                                   vocab_size=15, vocab_parallel_group=dist.group.WORLD)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -160,6 +161,9 @@ def _zero3_worker(rank, port):
     try:
         for tied in (False, True):
             _check_zero3(rank, tied)
+        # Neither rank tears gloo down while the other may still be in DeepSpeed's last
+        # collective: that aborted the late rank ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
