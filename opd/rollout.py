@@ -27,29 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.chat import ChatFormat, restrict_to_tools
+from opd.config import RolloutConfig
 from opd.tools import ToolCallCounts, parse_hermes_tool_calls
-
-
-@dataclass
-class RolloutConfig:
-    max_turns: int = 3
-    max_new_tokens: int = 256
-    max_total_len: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 32
-
-    def validate(self) -> None:
-        if min(self.max_turns, self.max_new_tokens, self.max_total_len, self.batch_size) < 1:
-            raise ValueError("Generation limits and temperature must be positive "
-                             "(rollout.max_turns, max_new_tokens, max_total_len, batch_size >= 1)")
-        if self.temperature <= 0:
-            raise ValueError("Generation limits and temperature must be positive "
-                             f"(rollout.temperature={self.temperature})")
-        if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"rollout.top_p must be in (0, 1] and rollout.top_k >= 0 "
-                             f"(got top_p={self.top_p}, top_k={self.top_k})")
 
 
 @dataclass

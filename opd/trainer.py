@@ -20,7 +20,6 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
@@ -106,7 +105,7 @@ def rollout_seed(config: Config, step: int, rank: int) -> int:
 def collect(run: Run, step: int) -> tuple[list, bool]:
     """Trajectories of this rank for `step`, and whether they are off-policy completions."""
     from opd.data import DatasetError, completion_trajectory
-    from opd.rollout import RolloutConfig, rollout
+    from opd.rollout import rollout
 
     config, world = run.config, run.world
     if off_policy(config, step):
@@ -125,7 +124,7 @@ def collect(run: Run, step: int) -> tuple[list, bool]:
     sync = lockstep() if world.distributed and not gather else None
     with run.student.generation_context(gather) as model:
         trajectories = rollout(model, run.chat, run.executor, prompts,
-                               RolloutConfig(**dataclasses.asdict(config.rollout)),
+                               config.rollout,
                                seed=rollout_seed(config, step, world.rank), parser=run.parser,
                                sync=sync)
     return trajectories, False
