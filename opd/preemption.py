@@ -1,13 +1,18 @@
-"""Preemption-safe stopping: a signal asks, every rank agrees at a step boundary, the job requeues.
+"""Preemption-safe stopping: a signal asks, every rank agrees at a step boundary, then checkpoint.
 
-Slurm warns a job before its time limit or a preemption with a signal (`#SBATCH
---signal=USR1@120`) and ends it with SIGTERM. Both only set a flag here: stopping in the middle of
-a step, or of a checkpoint, would leave ranks out of step. At each step boundary the trainer asks
-`stop_requested()`, a MAX all-reduce of the flag, so that all ranks stop after the same step even
-when only some were signalled; it then writes a checkpoint and calls `requeue()`, and the job
-restarts from that checkpoint. A rank that cannot reach a step boundary in time is ended by
-SIGKILL, from its launcher (torchrun waits 30 s after forwarding SIGTERM) or from Slurm (KillWait);
-the checkpoint it was writing, if any, stays invisible to resume (opd.checkpoint writes atomically).
+Slurm warns a job before its time limit with the signal the sbatch file asks for (`#SBATCH
+--signal=USR1@120`), and ends a job (scancel, preemption) with SIGTERM. Both only set a flag here:
+stopping in the middle of a step, or of a checkpoint, would leave ranks out of step. At each step
+boundary the trainer asks `stop_requested()`, a MAX all-reduce of the flags, so that all ranks
+stop after the same step even when only some were signalled, and writes a checkpoint. Then:
+- USR1 (the time-limit warning, or `scancel --signal=USR1 JOB` by hand): `requeue()`, and the job
+  restarts from that checkpoint.
+- SIGTERM: the run ends there, not requeued. It is what `scancel` sends, and a job that requeued
+  itself on it could never be cancelled; a cluster that preempts with PreemptMode=REQUEUE
+  requeues the job itself, and the new start resumes from the checkpoint all the same.
+A rank that cannot reach a step boundary in time is ended by SIGKILL, from its launcher (torchrun
+waits 30 s after forwarding SIGTERM) or from Slurm (KillWait); the checkpoint it was writing, if
+any, stays invisible to resume (opd.checkpoint writes atomically).
 """
 
 from __future__ import annotations
@@ -42,17 +47,32 @@ def received() -> str | None:
     return _received[0] if _received else None
 
 
-def stop_requested(group=None) -> bool:
-    """Whether any rank of `group` got a stop signal. Collective: every rank calls it each step."""
-    local = bool(_received)
-    if not (dist.is_available() and dist.is_initialized()):
-        return local
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([float(local)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+REQUEUE, END = "requeue", "end"
+
+
+def stop_requested(group=None) -> str | None:
+    """None to go on, else how every rank of `group` stops after this step: END when any rank
+    got SIGTERM, REQUEUE when any got USR1. Collective: every rank calls it each step."""
+    local = 2.0 if "SIGTERM" in _received else 1.0 if "SIGUSR1" in _received else 0.0
+    if dist.is_available() and dist.is_initialized():
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([local], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        local = flag.item()
+    return {0.0: None, 1.0: REQUEUE, 2.0: END}[local]
+
+
+def after_checkpoint(stop: str) -> bool:
+    """Once the stop checkpoint is complete: requeue (REQUEUE) or say how to resume (END).
+    Returns whether the job was requeued."""
+    if stop == REQUEUE:
+        return requeue()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print("Stopped by SIGTERM after a checkpoint; the job is not requeued (scancel ends it). "
+              "Run or submit the same command again to resume.", file=sys.stderr, flush=True)
+    return False
 
 
 def requeue() -> bool:

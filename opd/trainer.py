@@ -299,7 +299,7 @@ def train(config: Config, world: World) -> Path | None:
     """Train to `train.steps`, checkpointing and evaluating as configured; export `final/`.
 
     Returns None when a stop signal (opd.preemption) ended the run early: all ranks agree at a
-    step boundary, checkpoint, and the job is requeued to resume from there.
+    step boundary and checkpoint; after USR1 the job is requeued to resume from there.
     """
     from tqdm import tqdm
 
@@ -319,14 +319,14 @@ def train(config: Config, world: World) -> Path | None:
             run.log.log(record)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-            # A signal during the last step needs no requeue: the run finishes and exports.
-            stopping = step < config.train.steps and preemption.stop_requested()
+            # A signal during the last step needs no stop: the run finishes and exports.
+            stop = preemption.stop_requested() if step < config.train.steps else None
             due = config.checkpoint.every and step % config.checkpoint.every == 0
-            if stopping or due or step == config.train.steps:
+            if stop or due or step == config.train.steps:
                 checkpoint.save(config.run_dir / "checkpoints", step, run.student,
                                 {"name": config.name}, world, config.checkpoint.keep)
-            if stopping:
-                preemption.requeue()
+            if stop:
+                preemption.after_checkpoint(stop)
                 return None
         final = config.run_dir / "final"
         run.student.export_hf(final)

@@ -1,5 +1,7 @@
 """opd.preemption on 2 gloo ranks: a signal to one rank stops both after the same step.
 
+USR1 requeues the job; SIGTERM (scancel) only checkpoints and ends it.
+
 The ranks run a fake training loop that calls the module exactly as the trainer does (stop check
 at each step boundary, checkpoint, requeue); `scontrol` is a stand-in script on PATH that
 records its arguments, so these tests need no Slurm (tests/test_slurm.py runs the real one).
@@ -40,12 +42,12 @@ def fake_training(run_dir: Path) -> None:
         (run_dir / f"rank{rank}.step").write_text(str(step))
         time.sleep(0.01)
         last = step == MAX_STEPS
-        stopping = not last and preemption.stop_requested()
-        if last or stopping:
+        stop = None if last else preemption.stop_requested()
+        if last or stop:
             (run_dir / f"checkpoint-rank{rank}").write_text(str(step))
             dist.barrier()
-        if stopping:
-            requeued = preemption.requeue()
+        if stop:
+            requeued = preemption.after_checkpoint(stop)
             result = {"step": step, "requeued": requeued, "signal": preemption.received()}
             (run_dir / f"rank{rank}.json").write_text(json.dumps(result))
             break
@@ -110,8 +112,23 @@ def test_signal_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path, signum
     assert results[0]["signal"] is None  # rank 0 was never signalled, yet it stopped
     for rank in range(2):
         assert int((tmp_path / f"checkpoint-rank{rank}").read_text()) == results[0]["step"]
-    assert [r["requeued"] for r in results] == [True, False]  # only rank 0 asks Slurm
-    assert log.read_text().splitlines() == ["requeue 4242"]
+    if signum == signal.SIGUSR1:  # Slurm's time-limit warning: requeue
+        assert [r["requeued"] for r in results] == [True, False]  # only rank 0 asks Slurm
+        assert log.read_text().splitlines() == ["requeue 4242"]
+    else:  # scancel: checkpoint, then end for good
+        assert [r["requeued"] for r in results] == [False, False]
+        assert not log.exists()
+
+
+def test_sigterm_ends_the_run_even_after_usr1(monkeypatch):
+    from opd import preemption
+
+    monkeypatch.setattr(preemption, "_received", [])
+    assert preemption.stop_requested() is None
+    preemption._on_signal(signal.SIGUSR1, None)
+    assert preemption.stop_requested() == preemption.REQUEUE
+    preemption._on_signal(signal.SIGTERM, None)
+    assert preemption.stop_requested() == preemption.END
 
 
 def test_requeue_outside_slurm_says_how_to_resume(monkeypatch, capsys):

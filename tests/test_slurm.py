@@ -207,9 +207,8 @@ def test_time_limit_warning_signal_requeues_and_resumes(tmp_path):
         deadline = time.monotonic() + 900
         stopped_at = None
         while proc.poll() is None and time.monotonic() < deadline:
-            checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-            if stopped_at is None and checkpoints and _job_field(job, "Restarts") == "1":
-                stopped_at = int(checkpoints[0].name.split("-")[1])
+            if stopped_at is None and _job_field(job, "Restarts") == "1":
+                stopped_at = len(_steps(run_dir))  # the requeued start has not logged yet
             if stopped_at is not None and len(_steps(run_dir)) > stopped_at:
                 break  # the second start trained a step after the checkpoint
             time.sleep(1)
@@ -221,6 +220,9 @@ def test_time_limit_warning_signal_requeues_and_resumes(tmp_path):
     assert f"Slurm job {job} requeued to resume from it" in log
     assert f"opd: job {job} start 2 on " in log
     assert "DUE TO TIME LIMIT" not in log
+    # scancel's SIGTERM: a last checkpoint, and the job ends for good (it does not requeue).
+    assert "Stopped by SIGTERM after a checkpoint; the job is not requeued" in log
+    assert _job_field(job, "Restarts") == "1" and _job_field(job, "JobState") == "CANCELLED"
     # The second start resumed after the checkpoint: no step was run twice.
     steps = _steps(run_dir)
     assert steps == list(range(1, len(steps) + 1))
