@@ -26,9 +26,22 @@ DEFAULT_RECIPE = REPO / "recipes" / "toolcalc_tiny.yaml"
 DEFAULT_CLUSTER = REPO / "configs" / "clusters" / "local-cpu.yaml"
 
 
+def cached_prepare(config):
+    """`config` with "{prepared}" resolved when the prepare step's output is cached already."""
+    from opd.config import with_prepared
+    from opd.eval import resolve
+
+    if not config.prepare:
+        return config
+    prepared = resolve(config.prepare, "prepare")(build=False)
+    return config if prepared is None else with_prepared(config, getattr(prepared, "root", prepared))
+
+
 def dry_run(config) -> str:
     from opd.backends import memory_estimate
     from opd.config import to_yaml
+
+    config = cached_prepare(config)
 
     launched = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else \

@@ -192,7 +192,8 @@ class Config:
     name: str = "run"
     seed: int = 0
     # module:function run once (and cached by it) before training; it returns the directory
-    # that "{prepared}" stands for in any path of the config. Empty: no prepare step.
+    # that "{prepared}" stands for in any path of the config. Called with build=False it returns
+    # the cached directory or None without building (--dry-run). Empty: no prepare step.
     prepare: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

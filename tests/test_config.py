@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,9 +131,10 @@ def test_prepared_placeholder_and_round_trip(recipe, tmp_path):
     assert load_config(dumped) == resolved  # the run directory's config.yaml reloads as-is
 
 
-def run_launcher(*args: str) -> subprocess.CompletedProcess:
+def run_launcher(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, **(env or {})})
 
 
 def test_launcher_config_error_is_one_sentence_without_traceback():
@@ -160,3 +162,22 @@ def test_dry_run_prints_config_layout_and_memory(tmp_path):
     assert f"student: {parameters / 1e6:.1f}M parameters, deepspeed sharded over 4 ranks" in out
     assert "optimizer offload cpu (chosen)" in out and "optimizer offload none:" in out
     assert "teacher: " in out and "zero_inference" in out
+
+
+def test_dry_run_sizes_the_prepared_models_once_cached_and_never_builds(tmp_path, monkeypatch):
+    from tests.dist_scripts.world import prepare_tiny
+
+    env = {"OPD_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("--dry-run", "prepare=tests.dist_scripts.world:prepare_tiny")
+    before = run_launcher(*args, env=env)
+    assert before.returncode == 0, before.stderr
+    assert "student: {prepared}/student not found (the recipe's prepare step has not built it " \
+           "yet)" in before.stdout
+    assert not (tmp_path / "cache" / "toolcalc").exists()  # a dry run builds nothing
+
+    monkeypatch.setenv("OPD_CACHE_DIR", env["OPD_CACHE_DIR"])
+    prepare_tiny()
+    after = run_launcher(*args, env=env)
+    assert after.returncode == 0, after.stderr
+    assert "student: 0.1M parameters, deepspeed sharded over 1 ranks, fp32" in after.stdout
+    assert "teacher: 0.1M parameters, zero_inference: " in after.stdout

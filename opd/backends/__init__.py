@@ -210,7 +210,7 @@ def memory_estimate(config, world_size: int, device: str) -> list[str]:
     student = _count(config.model.student)
     if student is None:
         lines.append(f"student: {config.model.student} not found (the recipe's prepare step "
-                     "has not run yet)")
+                     "has not built it yet)")
     else:
         n, largest = student
         mixed = bf16(config.student.precision)
@@ -228,7 +228,7 @@ def memory_estimate(config, world_size: int, device: str) -> list[str]:
     teacher = _count(config.model.teacher)
     if teacher is None:
         lines.append(f"teacher: {config.model.teacher} not found (the recipe's prepare step "
-                     "has not run yet)")
+                     "has not built it yet)")
     else:
         n, largest = teacher
         b = 2 if bf16(config.teacher.precision) else 4

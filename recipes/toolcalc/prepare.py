@@ -115,12 +115,17 @@ def cache_key(cfg: PrepareConfig) -> str:
 
 
 def prepare(cfg: PrepareConfig = PrepareConfig(), root: str | Path | None = None, *,
-            force: bool = False) -> Prepared:
-    """The prepared world for `cfg`, built now unless already cached."""
+            force: bool = False, build: bool = True) -> Prepared | None:
+    """The prepared world for `cfg`, built now unless already cached (`build=False`: the cached
+    world or None, never building; `--dry-run` sizes the models with it)."""
     parent = Path(root or cache_root()) / "toolcalc"
-    parent.mkdir(parents=True, exist_ok=True)
     key = cache_key(cfg)
     prepared = Prepared(parent / key)
+    if not build:
+        done = (prepared.root / "prepare.json").exists()
+        return Prepared(prepared.root, json.loads((prepared.root / "prepare.json").read_text())) \
+            if done else None
+    parent.mkdir(parents=True, exist_ok=True)
     with open(parent / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if force and prepared.root.exists():

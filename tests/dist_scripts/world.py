@@ -69,7 +69,7 @@ if __name__ == "__main__":
     print(build_world(Path(sys.argv[1])))
 
 
-def prepare_tiny():
+def prepare_tiny(build: bool = True):
     """The toolcalc prepare step in its test configuration (seconds, not minutes)."""
     from recipes.toolcalc.prepare import TEST_CONFIG, prepare
-    return prepare(TEST_CONFIG)
+    return prepare(TEST_CONFIG, build=build)
