@@ -8,6 +8,7 @@ and a process started without them is a world of one.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -103,7 +104,14 @@ def init_deepspeed_comm(world: World) -> None:
 
 
 def shutdown() -> None:
+    """Destroy the process groups while the interpreter is whole.
+
+    Engines keep collective work handles in reference cycles (module hooks); freed later, during
+    interpreter finalization, a gloo work object that still holds tensors aborts the process
+    ("terminate called without an active exception"), so collect them first.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
