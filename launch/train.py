@@ -38,7 +38,7 @@ def cached_prepare(config):
 
 
 def dry_run(config) -> str:
-    from opd.backends import memory_estimate
+    from opd.backends.memory import memory_estimate
     from opd.config import to_yaml
 
     config = cached_prepare(config)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.backends import DistillModule, resolve_precision, student_memory
+from opd.backends import DistillModule, resolve_precision
+from opd.backends.memory import student_memory
 from opd.backends.deepspeed import read_json_config, zero3_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -104,6 +104,29 @@ class StudentEngine(ABC):
         self.hf_model.train()
 
 
+def load_student_model(config, world) -> tuple[nn.Module, Precision]:
+    """The student in fp32 (the engines keep fp32 masters and cast to the compute dtype)."""
+    precision = resolve_precision(config.student.precision, config.student.attn_implementation,
+                                  world.device)
+    model = load_causal_lm(config.model.student, torch.float32, precision.attn_implementation,
+                           "model.student")
+    if config.student.gradient_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model, precision
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def save_hf(model: nn.Module, root_state: dict, directory: Path) -> None:
+    """`save_pretrained` from a consolidated state dict of the `DistillModule` root."""
+    prefix = "model."
+    model.save_pretrained(directory, state_dict={name[len(prefix):]: tensor
+                                                 for name, tensor in root_state.items()})
+
+
 @dataclass(frozen=True)
 class Precision:
     dtype: torch.dtype  # the compute (and, for DeepSpeed, the parameter) dtype
@@ -156,85 +179,3 @@ def build_student(config, world) -> StudentEngine:
         return DeepSpeedStudent(config, world)
     from opd.backends.fsdp import FSDPStudent
     return FSDPStudent(config, world)
-
-
-def _count(path: str) -> tuple[int, int] | None:
-    """(total parameters, largest decoder layer) of a model directory, built on the meta device."""
-    if not (Path(path) / "config.json").is_file():
-        return None
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    total = sum(p.numel() for p in model.parameters())
-    largest = max([sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
-                  + [model.get_output_embeddings().weight.numel()])
-    return total, largest
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def student_memory(parameters: int, largest_layer: int, world_size: int, *, bf16: bool,
-                   backend: str, offload_optimizer: str) -> dict[str, float]:
-    """Bytes per rank of the student's model states, and where they live.
-
-    DeepSpeed keeps bf16 parameter and gradient partitions plus an fp32 master and two fp32 Adam
-    moments (2 + 2 + 12 bytes per parameter over the world); FSDP2 keeps fp32 shards as the
-    master (4 + 4 + 8). Training in fp32 needs no separate master (4 + 4 + 8). A gathered layer
-    (and the one being prefetched) adds two full layers on the device.
-    """
-    compute = 2 if bf16 else 4
-    master = 4 if bf16 and backend == "deepspeed" else 0
-    param_bytes = compute if backend == "deepspeed" else 4
-    states = {"params": parameters * param_bytes / world_size,
-              "grads": parameters * (compute if backend == "deepspeed" else 4) / world_size,
-              "optimizer": parameters * (8 + master) / world_size}
-    working = 2 * largest_layer * compute
-    offloaded = states["optimizer"] + states["grads"] if offload_optimizer == "cpu" else 0.0
-    return {**states, "device": states["params"] + states["grads"] + states["optimizer"]
-            - offloaded + working, "host": offloaded,
-            "gather_once": parameters * compute}
-
-
-def memory_estimate(config, world_size: int, device: str) -> list[str]:
-    """Lines of per-rank model-state memory for the student and the teacher (dry run)."""
-    def bf16(precision: str) -> bool:
-        return precision == "bf16" or (precision == "auto" and device == "cuda")
-
-    lines = []
-    student = _count(config.model.student)
-    if student is None:
-        lines.append(f"student: {config.model.student} not found (the recipe's prepare step "
-                     "has not built it yet)")
-    else:
-        n, largest = student
-        mixed = bf16(config.student.precision)
-        lines.append(f"student: {n / 1e6:.1f}M parameters, {config.student.backend} sharded over "
-                     f"{world_size} ranks, {'bf16' if mixed else 'fp32'}")
-        for offload in ("none", "cpu"):
-            m = student_memory(n, largest, world_size, bf16=mixed,
-                               backend=config.student.backend, offload_optimizer=offload)
-            chosen = " (chosen)" if offload == config.student.offload_optimizer else ""
-            lines.append(f"  optimizer offload {offload}{chosen}: params {_size(m['params'])} + "
-                         f"grads {_size(m['grads'])} + Adam {_size(m['optimizer'])} -> device "
-                         f"{_size(m['device'])}, host {_size(m['host'])} per rank")
-        lines.append(f"  rollout gather-once holds the whole student: +{_size(m['gather_once'])} "
-                     "on device (student.generation_gather=per_step if that does not fit)")
-    teacher = _count(config.model.teacher)
-    if teacher is None:
-        lines.append(f"teacher: {config.model.teacher} not found (the recipe's prepare step "
-                     "has not built it yet)")
-    else:
-        n, largest = teacher
-        b = 2 if bf16(config.teacher.precision) else 4
-        engine = config.teacher.engine
-        share = n * b if engine == "replicated" else n * b / world_size
-        where = {"cpu": "host", "nvme": "NVMe"}.get(config.teacher.offload_param, "device")
-        lines.append(f"teacher: {n / 1e6:.1f}M parameters, {engine}: {_size(share)} per rank on "
-                     f"{where}, + {_size(largest * b)} for the largest gathered layer or lm_head")
-    return lines

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from opd.backends import DistillModule, GenerationModel, StudentEngine, adamw_param_groups, \
-    load_causal_lm, resolve_precision
+    load_student_model, save_hf, set_lr
 from opd.config import ConfigError
 from opd.dist import init_deepspeed_comm
 
@@ -80,8 +80,8 @@ class DeepSpeedStudent(StudentEngine):
 
         init_deepspeed_comm(world)
         self.world = world
-        precision = resolve_precision(config.student.precision, config.student.attn_implementation,
-                                      world.device)
+        # Loaded in fp32: DeepSpeed keeps the fp32 master copy and casts to bf16 itself.
+        self.hf_model, precision = load_student_model(config, world)
         ds_config = zero3_config(
             read_json_config(config.student.deepspeed_config, "student.deepspeed_config"),
             world_size=world.world_size, bf16=precision.dtype == torch.bfloat16,
@@ -91,11 +91,6 @@ class DeepSpeedStudent(StudentEngine):
                          managed_gradient_accumulation=False)
         ds_config.setdefault("zero_allow_untested_optimizer", True)
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-        # Load in fp32: DeepSpeed keeps the fp32 master copy and casts to bf16 itself.
-        self.hf_model = load_causal_lm(config.model.student, torch.float32,
-                                       precision.attn_implementation, "model.student")
-        if config.student.gradient_checkpointing:
-            self.hf_model.gradient_checkpointing_enable({"use_reentrant": False})
         root = DistillModule(self.hf_model)
         groups = adamw_param_groups(root, config.optim.weight_decay)
         optim_kwargs = dict(lr=config.optim.lr, betas=tuple(config.optim.betas),
@@ -121,8 +116,7 @@ class DeepSpeedStudent(StudentEngine):
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -154,9 +148,7 @@ class DeepSpeedStudent(StudentEngine):
     def export_hf(self, directory: Path) -> None:
         state = self.engine._zero3_consolidated_16bit_state_dict()
         if self.world.is_main:
-            prefix = "model."
-            weights = {name[len(prefix):]: tensor for name, tensor in state.items()}
-            self.hf_model.save_pretrained(directory, state_dict=weights)
+            save_hf(self.hf_model, state, directory)
 
 
 def _detach_zero3_hooks(offload) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from opd.backends import DistillModule, GenerationModel, StudentEngine, adamw_param_groups, \
-    decoder_layers, load_causal_lm, resolve_precision
+    decoder_layers, load_student_model, save_hf, set_lr
 
 
 class FSDPStudent(StudentEngine):
@@ -26,12 +26,7 @@ class FSDPStudent(StudentEngine):
             fully_shard
 
         self.world = world
-        precision = resolve_precision(config.student.precision, config.student.attn_implementation,
-                                      world.device)
-        self.hf_model = load_causal_lm(config.model.student, torch.float32,
-                                       precision.attn_implementation, "model.student")
-        if config.student.gradient_checkpointing:
-            self.hf_model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.hf_model, precision = load_student_model(config, world)
         mesh = init_device_mesh(world.device.type, (world.world_size,))
         # On a CPU-only host everything already lives in host memory.
         offload = "cpu" in (config.student.offload_optimizer, config.student.offload_param) \
@@ -62,8 +57,7 @@ class FSDPStudent(StudentEngine):
         loss.backward()
 
     def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.root.parameters(), max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -118,6 +112,4 @@ class FSDPStudent(StudentEngine):
         state = get_model_state_dict(
             self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.world.is_main:
-            prefix = "model."
-            weights = {name[len(prefix):]: tensor for name, tensor in state.items()}
-            self.hf_model.save_pretrained(directory, state_dict=weights)
+            save_hf(self.hf_model, state, directory)
