@@ -24,10 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from opd import tool_worker
-from opd.toy_tools import (  # noqa: F401  (public constants of the toy world, re-exported)
-    LOOKUP_ATTRIBUTES, LOOKUP_TABLE, TEMPERATURE_UNITS, TOOL_FUNCTIONS, TOOL_SCHEMAS,
-    UNIT_DIMENSIONS, UNIT_FACTORS,
-)
+from opd.toy_tools import TOOL_FUNCTIONS, TOOL_SCHEMAS
 
 
 @dataclass

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import operator
 import re
-from pathlib import Path
 
 import pytest
 
 from opd.data import load_jsonl
-from opd.tools import LOOKUP_TABLE, ToolCall, ToolExecutor, builtin_registry
-from opd.tools import parse_hermes_tool_calls
+from opd.tools import ToolCall, ToolExecutor, builtin_registry, parse_hermes_tool_calls
+from opd.toy_tools import LOOKUP_TABLE
 from recipes.toolcalc.tasks import (FAMILIES, answer_text, check_answer, generate_tasks,
                                     oracle_record, task_record)
 from recipes.toolcalc.tokenizer import TOKENIZER_DIR, build_tokenizer, load_tokenizer

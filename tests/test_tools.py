@@ -13,11 +13,13 @@ import pytest
 import tool_fixtures
 
 from opd.tools import (
-    LOOKUP_ATTRIBUTES, LOOKUP_TABLE, TEMPERATURE_UNITS, UNIT_DIMENSIONS, UNIT_FACTORS, Tool,
-    ToolCall, ToolCallCounts, ToolExecutor, ToolRegistry, ToolResult, builtin_registry, get_parser,
-    parse_hermes_tool_calls, register_parser,
+    Tool, ToolCall, ToolCallCounts, ToolExecutor, ToolRegistry, ToolResult, builtin_registry,
+    get_parser, parse_hermes_tool_calls, register_parser,
 )
-from opd.toy_tools import calculator, convert, convert_units, lookup, round_result
+from opd.toy_tools import (
+    LOOKUP_ATTRIBUTES, LOOKUP_TABLE, TEMPERATURE_UNITS, UNIT_DIMENSIONS, UNIT_FACTORS, calculator,
+    convert, convert_units, lookup, round_result,
+)
 
 TIMEOUT_S = 1.5
 
