@@ -124,23 +124,27 @@ def resolve(spec: str, argument: str):
             from None
 
 
-def load_model(path: str | Path, device=None):
-    """Model (eval mode) and tokenizer from one Hugging Face directory."""
+def load_model(path: str | Path, device=None, key: str = "--model"):
+    """A causal LM in eval mode on `device` (default: cuda when available), with the trainer's
+    precision policy: bf16 and flash-attn where installed on GPU, fp32 and SDPA on CPU."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.backends import load_causal_lm, resolve_precision
 
     if not Path(path).is_dir():
         raise EvalError(f"Model path {path} is not a directory.")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(str(path))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = resolve_precision("auto", "auto", device)
+    model = load_causal_lm(str(path), precision.dtype, precision.attn_implementation, key)
+    return model.to(device).eval()
 
 
 def evaluate_path(model_path: str | Path, data_path: str | Path, out_dir: str | Path | None, *,
                   check: Checker | None = None, registry=None, cfg=None, seed: int = 0,
                   limit: int | None = None, progress: str | None = "eval") -> dict:
     """Evaluate a saved model on a JSONL dataset; writes `out_dir/eval.json` when out_dir is set."""
+    from transformers import AutoTokenizer
+
     from opd.chat import ChatFormat
     from opd.data import load_jsonl
     from opd.tools import ToolExecutor
@@ -149,7 +153,8 @@ def evaluate_path(model_path: str | Path, data_path: str | Path, out_dir: str | 
     check = check or resolve(DEFAULT_CHECKER, "--checker")
     registry = registry or resolve(DEFAULT_TOOLS, "--tools")()
     cfg = cfg or greedy_rollout_config()
-    model, tokenizer = load_model(model_path)
+    model = load_model(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     chat = ChatFormat(tokenizer, generation_config=model.generation_config)
     with ToolExecutor(registry) as executor:
         metrics = evaluate(model, chat, executor, records, check, cfg, seed=seed,

@@ -361,14 +361,11 @@ def evaluate_model(config: Config, model_path: str | Path, label: str, device) -
     tokenizer and chat template."""
     from transformers import AutoTokenizer
 
-    from opd.backends import load_causal_lm, resolve_precision
     from opd.chat import ChatFormat
     from opd.data import load_jsonl
-    from opd.eval import evaluate, resolve
+    from opd.eval import evaluate, load_model, resolve
 
-    precision = resolve_precision("auto", "auto", device)
-    model = load_causal_lm(str(model_path), precision.dtype, precision.attn_implementation,
-                           label).to(device).eval()
+    model = load_model(model_path, device, label)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
     chat = ChatFormat(tokenizer, config.model.chat_template_kwargs, model.generation_config)
     with tool_executor(config) as executor:
