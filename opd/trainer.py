@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from opd.backends import StudentEngine
     from opd.chat import ChatFormat
     from opd.metrics import MetricsLog
+    from opd.rollout import AgentTrajectory
     from opd.teacher import Teacher
     from opd.tools import ToolExecutor
 
@@ -62,6 +63,8 @@ class Run:
     start_step: int = 0
     # dataset name -> epoch -> shuffled record indices (cached; a pure function of seed and epoch)
     epoch_orders: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    # id(completion record) -> its rendered trajectory: rendered once, reused every epoch
+    rendered_completions: dict[int, AgentTrajectory] = field(default_factory=dict)
 
 
 def learning_rate(step: int, config: Config) -> float:
@@ -111,8 +114,11 @@ def collect(run: Run, step: int) -> tuple[list, bool]:
     if off_policy(config, step):
         records = step_records(run.completions, step, config, world,
                                run.epoch_orders.setdefault("completions", {}))
-        trajectories = [completion_trajectory(run.chat, r["messages"], r.get("tools"))
-                        for r in records]
+        for r in records:
+            if id(r) not in run.rendered_completions:
+                run.rendered_completions[id(r)] = completion_trajectory(run.chat, r["messages"],
+                                                                        r.get("tools"))
+        trajectories = [run.rendered_completions[id(r)] for r in records]
         longest = max((len(t.input_ids) for t in trajectories), default=0)
         if longest > config.train.micro_batch_tokens:
             raise DatasetError(f"data.completions holds a conversation of {longest} tokens, more "
