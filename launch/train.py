@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
 
+    from opd.checkpoint import CheckpointError
     from opd.config import ConfigError, load_config
     from opd.data import DatasetError
     from opd.teacher import VocabularyError
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             run_recipe(config, world)
         finally:
             shutdown()
-    except (ConfigError, DatasetError, VocabularyError, FileNotFoundError) as error:
+    except (ConfigError, DatasetError, VocabularyError, CheckpointError,
+            FileNotFoundError) as error:
         sys.exit(f"error: {error}")
 
 

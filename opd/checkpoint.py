@@ -23,6 +23,10 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that this run cannot resume from; the message names it and why."""
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -84,7 +88,7 @@ def load(path: Path, student, world) -> dict:
         raise FileNotFoundError(f"{path} is not a checkpoint (no {TRAINER_STATE}).")
     state = json.loads(state_file.read_text())
     if state["world_size"] != world.world_size:
-        raise ValueError(f"Checkpoint {path} was written by {state['world_size']} ranks; resume "
+        raise CheckpointError(f"Checkpoint {path} was written by {state['world_size']} ranks; resume "
                          f"it with the same world size (this run has {world.world_size}).")
     student.load(path)
     _set_rng_state(torch.load(path / f"rng-rank{world.rank}.pt", weights_only=False))
