@@ -43,9 +43,9 @@ def build_world(root: Path, prompts: int) -> None:
     import torch
 
     from opd.data import write_jsonl
-    from recipes.toolcalc.models import ModelShape, build_model, save_model
-    from recipes.toolcalc.tasks import answer_text, generate_tasks
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+    from worlds.toolcalc.models import ModelShape, build_model, save_model
+    from worlds.toolcalc.tasks import answer_text, generate_tasks
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
@@ -61,7 +61,9 @@ def build_world(root: Path, prompts: int) -> None:
 def ours(root: Path, args, backend: str, teacher: str) -> dict:
     from opd.config import load_config
     from opd.dist import init_world
-    from opd.trainer import setup, train_step
+    from opd.inputs import load_inputs
+    from opd.plugins import resolve_plugins
+    from opd.trainer import start, train_step
 
     config = load_config(overrides=[
         f"model.student={root / 'student'}", f"model.teacher={root / 'teacher'}",
@@ -73,7 +75,8 @@ def ours(root: Path, args, backend: str, teacher: str) -> dict:
         f"train.steps={args.steps}", f"optim.lr={LR}", "optim.schedule=constant",
         "optim.grad_clip=0", f"logging.run_dir={root / ('run-' + backend)}",
         "logging.wandb_mode=disabled", "checkpoint.resume=never"])
-    run = setup(config, init_world("cpu", "gloo", args.threads))
+    run = start(config, resolve_plugins(config), load_inputs(config),
+                init_world("cpu", "gloo", args.threads))
     steps = []
     for step in range(1, args.steps + 1):
         started = time.perf_counter()

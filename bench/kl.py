@@ -51,8 +51,9 @@ def make_step(case, inputs):
     """A closure that runs forward + backward once and returns the loss value, and extra figures."""
     student_hidden, student_weight, teacher_hidden, teacher_weight, mask = inputs
     if case in ("seed", "ours_logits"):
-        from opd.loss import distillation_loss
         from reference_loss import distillation_loss as seed_loss
+
+        from opd.loss import distillation_loss
         loss_fn = seed_loss if case == "seed" else distillation_loss
 
         def step():

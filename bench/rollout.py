@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opd.chat import ChatFormat  # noqa: E402
-from opd.rollout import RolloutConfig, rollout  # noqa: E402
-from opd.tools import ToolExecutor, builtin_registry, parse_hermes_tool_calls  # noqa: E402
-from opd.toy_tools import TOOL_FUNCTIONS  # noqa: E402
+from opd.chat import ChatFormat
+from opd.rollout import RolloutConfig, rollout
+from opd.tools import ToolExecutor, parse_hermes_tool_calls
+from worlds.toolcalc.tools import TOOL_FUNCTIONS
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 
 def seed_collect_trajectory(model, tokenizer, messages, tools, *, max_turns, max_new_tokens,
@@ -75,8 +76,8 @@ def seed_collect_trajectory(model, tokenizer, messages, tools, *, max_turns, max
 def load_student(model_path: str | None):
     from transformers import AutoModelForCausalLM
 
-    from recipes.toolcalc.models import STUDENT, build_model
-    from recipes.toolcalc.tokenizer import load_tokenizer
+    from worlds.toolcalc.models import STUDENT, build_model
+    from worlds.toolcalc.tokenizer import load_tokenizer
     if model_path:
         from transformers import AutoTokenizer
         return (AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
@@ -95,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from recipes.toolcalc.tasks import generate_tasks, task_record
+    from worlds.toolcalc.tasks import generate_tasks, task_record
     model, tokenizer = load_student(args.model)
     model.eval()
     prompts = [task_record(task) for task in generate_tasks(args.prompts, seed=123)]
@@ -111,7 +112,7 @@ def main() -> None:
     seed_seconds = time.perf_counter() - start
 
     chat = ChatFormat(tokenizer, generation_config=model.generation_config)
-    with ToolExecutor(builtin_registry()) as executor:
+    with ToolExecutor(toolcalc_registry()) as executor:
         executor.run_batch([[]])  # workers start outside the timed region, as in a trainer
         start = time.perf_counter()
         trajectories = rollout(model, chat, executor, prompts, cfg, seed=0)

@@ -44,9 +44,9 @@ def build_world(root: Path, prompts: int) -> None:
     import torch
 
     from opd.data import write_jsonl
-    from recipes.toolcalc.models import ModelShape, build_model, save_model
-    from recipes.toolcalc.tasks import generate_tasks, task_record
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+    from worlds.toolcalc.models import ModelShape, build_model, save_model
+    from worlds.toolcalc.tasks import generate_tasks, task_record
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
@@ -66,6 +66,7 @@ def all_gathers(fn) -> tuple[object, int]:
 
 def measure(backend: str, root: Path, args) -> dict | None:
     import torch
+    from transformers import AutoTokenizer
 
     from opd.backends import build_student
     from opd.chat import ChatFormat
@@ -73,9 +74,9 @@ def measure(backend: str, root: Path, args) -> dict | None:
     from opd.data import load_jsonl
     from opd.dist import World, barrier, lockstep
     from opd.rollout import RolloutConfig, rollout
-    from opd.tools import ToolExecutor, builtin_registry
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR
-    from transformers import AutoTokenizer
+    from opd.tools import ToolExecutor
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR
+    from worlds.toolcalc.tools import registry as toolcalc_registry
 
     config = load_config(overrides=[
         f"model.student={root / 'student'}", f"model.teacher={root / 'student'}",
@@ -90,7 +91,7 @@ def measure(backend: str, root: Path, args) -> dict | None:
     cfg = RolloutConfig(max_turns=1, max_new_tokens=args.new_tokens, max_total_len=512,
                         batch_size=args.prompts, temperature=1.0)
     figures = {}
-    with ToolExecutor(builtin_registry(), num_workers=1) as executor:
+    with ToolExecutor(toolcalc_registry(), num_workers=1) as executor:
         def run(gather: bool):
             with student.generation_context(gather) as model:
                 return rollout(model, chat, executor, prompts, cfg, seed=rank,

@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
+from opd.errors import ChatTemplateError
+
 BOUNDARY_MARKER = "<|opd_observation_boundary|>"
 
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot be used for strictly-appending rendering."""
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
@@ -132,12 +131,18 @@ class ChatFormat:
                 "turn with a special token (e.g. <|im_end|>) before tool responses.")
 
 
+# The seed's `tool_observation` executes its own built-in tools when given no executor; those
+# tools are the toolcalc world's, the one place the library reaches for a world (seed contract).
+SEED_TOOLS = "worlds.toolcalc.tools:registry"
+
+
 def _default_executor():
-    """A process-wide executor over the built-in toy tools, for the seed-compatible API."""
+    """A process-wide executor over the seed's built-in tools, for the seed-compatible API."""
     global _DEFAULT_EXECUTOR
     if _DEFAULT_EXECUTOR is None:
-        from opd.tools import ToolExecutor, builtin_registry
-        _DEFAULT_EXECUTOR = ToolExecutor(builtin_registry())
+        from opd.plugins import resolve
+        from opd.tools import ToolExecutor
+        _DEFAULT_EXECUTOR = ToolExecutor(resolve(SEED_TOOLS, "the seed's built-in tools")())
     return _DEFAULT_EXECUTOR
 
 

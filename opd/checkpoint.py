@@ -18,13 +18,11 @@ from pathlib import Path
 import torch
 
 from opd.dist import barrier
+from opd.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer_state.json"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that this run cannot resume from; the message names it and why."""
 
 
 def _rng_state() -> dict:

@@ -14,25 +14,50 @@ import difflib
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from opd.errors import ConfigError
+from opd.tools import MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
+
 OVERRIDE_SOURCE = "command line"
 PREPARED = "{prepared}"
 
 
-class ConfigError(ValueError):
-    """A recipe, cluster file or override that cannot be used; the message names key and file."""
+
+def rule(ok: Callable[[Any], bool], must: str, default: Any = MISSING, *,
+         factory: Callable[[], Any] | None = None) -> Any:
+    """A field whose value must pass `ok`; `must` completes "key must be ..." in the error."""
+    kwargs = {"default_factory": factory} if factory is not None else {"default": default}
+    return field(metadata={"rule": (ok, must)}, **kwargs)
+
+
+def at_least(bound: float, default: Any, note: str = "") -> Any:
+    return rule(lambda v: v >= bound, f"at least {bound:g}{note}", default)
+
+
+def positive(default: Any) -> Any:
+    return rule(lambda v: v > 0, "positive", default)
+
+
+def within(low: float, high: float, default: Any, *, open_low: bool = False) -> Any:
+    if open_low:
+        return rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]", default)
+    return rule(lambda v: low <= v <= high, f"in [{low:g}, {high:g}]", default)
 
 
 @dataclass
 class ModelConfig:
     student: str = ""  # Hugging Face model directory
     teacher: str = ""
-    tokenizer: str = ""  # empty: the student's directory
+    # Empty: the student's directory. Reset to empty when a later source (a cluster file, the
+    # command line) names another student or teacher, so a recipe's tokenizer never outlives
+    # the models it was written for.
+    tokenizer: str = ""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -41,7 +66,7 @@ class DataConfig:
     """JSONL datasets, one conversation per line (opd.data)."""
 
     prompts: str = ""  # OPD prompts (a line's messages before its first assistant turn)
-    completions: str = ""  # whole conversations for GKD off-policy steps (loss.gkd_lambda > 0)
+    completions: str = ""  # whole conversations for off-policy steps (loss.off_policy_fraction)
     eval: str = ""  # held-out tasks with gold answers; empty: no eval
 
 
@@ -49,62 +74,66 @@ class DataConfig:
 class RolloutConfig:
     """Sampling limits of one rollout phase; opd.rollout takes it as it is."""
 
-    max_turns: int = 3
-    max_new_tokens: int = 256
-    max_total_len: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 32  # conversations sampled together on one rank
+    max_turns: int = at_least(1, 3)
+    max_new_tokens: int = at_least(1, 256)
+    max_total_len: int = at_least(2, 2048)
+    temperature: float = positive(1.0)
+    top_p: float = within(0, 1, 1.0, open_low=True)
+    top_k: int = at_least(0, 0)
+    batch_size: int = at_least(1, 32)  # conversations sampled together on one rank
 
     def validate(self) -> None:
-        if min(self.max_turns, self.max_new_tokens, self.max_total_len, self.batch_size) < 1:
-            raise ValueError("Generation limits and temperature must be positive "
-                             "(rollout.max_turns, max_new_tokens, max_total_len, batch_size >= 1)")
-        if self.temperature <= 0:
-            raise ValueError("Generation limits and temperature must be positive "
-                             f"(rollout.temperature={self.temperature})")
-        if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"rollout.top_p must be in (0, 1] and rollout.top_k >= 0 "
-                             f"(got top_p={self.top_p}, top_k={self.top_k})")
+        """Raise `ConfigError` naming the first `rollout.*` key out of bounds."""
+        try:
+            check_rules(self, "rollout.")
+        except ConfigError as error:  # in the seed's words for the same mistake
+            raise ConfigError(f"Generation limits and temperature must be positive: {error}") \
+                from None
 
 
 @dataclass
 class ToolsConfig:
-    registry: str = "opd.tools:builtin_registry"  # module:function returning a ToolRegistry
-    parser: str = "hermes"
-    timeout_s: float = 10.0
-    num_workers: int = 2
-    max_result_chars: int = 2048
-    memory_limit_mb: int = 1024
+    registry: str = ""  # module:function returning an opd.tools.ToolRegistry; empty: no tools
+    parser: str = "hermes"  # a registered parser name or module:function(text) -> [ToolCall]
+    timeout_s: float = positive(10.0)
+    num_workers: int = at_least(1, 2)
+    max_result_chars: int = at_least(MIN_RESULT_CHARS, 2048, " (an error observation must fit)")
+    memory_limit_mb: int = at_least(MIN_MEMORY_LIMIT_MB, 1024)
 
 
 @dataclass
 class LossConfig:
     direction: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    beta: float = 0.5  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
-    temperature: float = 1.0
-    chunk_size: int = 0  # target tokens per [chunk, vocab] block; 0: ~12.6M logits per block
-    gkd_lambda: float = 0.0  # fraction of steps trained on dataset completions (off-policy)
+    beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
+    temperature: float = positive(1.0)
+    chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
+    # Fraction of steps trained on dataset completions instead of the student's own samples:
+    # the complement of GKD's (and TRL's) lambda, which is the on-policy fraction.
+    off_policy_fraction: float = within(0, 1, 0.0)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr: float = positive(1e-5)
+    weight_decay: float = at_least(0, 0.0)
+    betas: list[float] = rule(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+                              "two numbers in [0, 1)", factory=lambda: [0.9, 0.95])
+    eps: float = positive(1e-8)
+    grad_clip: float = at_least(0, 1.0, " (0 disables clipping)")
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of lr
+    warmup_steps: int = at_least(0, 0)
+    min_lr_ratio: float = within(0, 1, 0.1)  # floor of the decay, as a fraction of lr
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100  # optimizer steps
-    prompts_per_step: int = 64  # global: split across data-parallel ranks
-    micro_batch_tokens: int = 8192  # varlen packing budget per micro-batch
+    steps: int = at_least(1, 100)  # optimizer steps
+    prompts_per_step: int = at_least(1, 64)  # global: split across data-parallel ranks
+    micro_batch_tokens: int = at_least(2, 8192)  # varlen packing budget per micro-batch
+    # A step whose loss or gradient norm is not finite never reaches the optimizer: `skip` logs
+    # it and goes on (up to max_nonfinite_steps in a row, then stops); `stop` stops at once.
+    nonfinite: Literal["skip", "stop"] = "skip"
+    max_nonfinite_steps: int = at_least(1, 10)
 
 
 @dataclass
@@ -132,8 +161,8 @@ class TeacherConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # optimizer steps between checkpoints; 0: only at the end
-    keep: int = 2  # newest checkpoints kept
+    every: int = at_least(0, 0)  # optimizer steps between checkpoints; 0: only at the end
+    keep: int = at_least(1, 2)  # newest checkpoints kept
     resume: str = "auto"  # auto: newest in the run directory | never | a checkpoint directory
 
 
@@ -147,12 +176,12 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # optimizer steps between evals during training; 0: none
+    every: int = at_least(0, 0)  # optimizer steps between evals during training; 0: none
     before: bool = True
     after: bool = True
     teacher: bool = True  # also evaluate the teacher (the table's first row)
-    limit: int = 0  # held-out examples; 0: all
-    checker: str = "recipes.toolcalc.tasks:check_answer"  # module:function(final_text, record)
+    limit: int = at_least(0, 0)  # held-out examples; 0: all
+    checker: str = ""  # module:function(final_text, record) -> bool; needed with data.eval
 
 
 @dataclass
@@ -162,17 +191,22 @@ class SlurmConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
-    time: str = "01:00:00"
-    gpus_per_node: int = 0
-    cpus_per_node: int = 0
+    time: str = rule(lambda v: bool(v.strip()), "a time limit such as 12:00:00", "01:00:00")
+    gpus_per_node: int = at_least(0, 0)
+    cpus_per_node: int = at_least(0, 0)
     mem: str = ""
     exclusive: bool = False
     constraint: str = ""
-    signal_seconds: int = 120  # USR1 this long before the time limit: checkpoint and requeue
+    # USR1 this long before the time limit: checkpoint and requeue
+    signal_seconds: int = at_least(0, 120, " (0: no warning signal)")
     requeue: bool = True
     setup: list[str] = field(default_factory=list)  # shell lines run before srun
     python: str = ""  # the nodes' interpreter; empty: the one running submit.py
-    env: dict[str, Any] = field(default_factory=dict)  # exported before srun
+    env: dict[str, Any] = rule(  # exported before srun
+        lambda env: all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))
+                        and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                        for k, v in env.items()),
+        "a mapping of environment variable names to strings or numbers", factory=dict)
     sbatch_args: list[str] = field(default_factory=list)  # further options, verbatim
 
 
@@ -181,16 +215,16 @@ class ClusterConfig:
     name: str = "local-cpu"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    threads_per_rank: int = 0  # torch CPU threads per rank; 0: the host's cores / local ranks
-    nodes: int = 1  # the layout a launcher will start (for --dry-run before launch)
-    procs_per_node: int = 1
+    threads_per_rank: int = at_least(0, 0)  # torch CPU threads per rank; 0: cores / local ranks
+    nodes: int = at_least(1, 1)  # the layout a launcher will start (for --dry-run before launch)
+    procs_per_node: int = at_least(1, 1)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass
 class Config:
     name: str = "run"
-    seed: int = 0
+    seed: int = at_least(0, 0)
     # module:function run once (and cached by it) before training; it returns the directory
     # that "{prepared}" stands for in any path of the config. Called with build=False it returns
     # the cached directory or None without building (--dry-run). Empty: no prepare step.
@@ -218,19 +252,38 @@ class Config:
         return self.model.tokenizer or self.model.student
 
 
+# Keys that no longer exist: what to write instead, in one sentence.
+RENAMED = {
+    "loss.gkd_lambda": "loss.gkd_lambda was renamed loss.off_policy_fraction (the fraction of "
+                       "steps trained on dataset completions); GKD's and TRL's lambda is the "
+                       "on-policy fraction, so lambda=0.9 is off_policy_fraction=0.1",
+}
+
+
 def load_config(recipe: str | Path | None = None, cluster: str | Path | None = None,
-                overrides: list[str] = ()) -> Config:
-    """The resolved config of a run; `ConfigError` names the key and source of any problem."""
+                overrides: Sequence[str] = (), *, complete: bool = True) -> Config:
+    """The resolved config of a run; `ConfigError` names the key and source of any problem.
+
+    `complete=False` checks each value but not that a run's required keys are set (a config
+    for `python -m opd.eval`, which needs no teacher or prompts).
+    """
     merged: dict = {}
     sources: dict[str, str] = {}
-    if recipe is not None:
-        _merge(merged, _read_yaml(recipe), str(recipe), sources)
-    if cluster is not None:
-        _merge(merged, _read_yaml(cluster), str(cluster), sources)
-    for override in overrides:
-        _merge(merged, parse_override(override), OVERRIDE_SOURCE, sources)
+    layers = [(_read_yaml(path), str(path)) for path in (recipe, cluster) if path is not None]
+    layers += [(parse_override(override), OVERRIDE_SOURCE) for override in overrides]
+    for position, (layer, source) in enumerate(layers):
+        model = layer.get("model")
+        if isinstance(model, dict) and {"student", "teacher"} & set(model) \
+                and "tokenizer" not in model and merged.get("model", {}).get("tokenizer"):
+            # Another pair of models: the earlier source's tokenizer was written for its own.
+            merged["model"]["tokenizer"] = ""
+            sources["model.tokenizer"] = source
+        _merge(merged, layer, source, sources)
     config = _build(Config, merged, "", sources)
-    check(config, sources)
+    if complete:
+        check(config, sources)
+    else:
+        check_rules(config, "", sources)
     return config
 
 
@@ -321,6 +374,8 @@ def _build(cls: type, values: Any, prefix: str, sources: dict[str, str]):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in values:
+        if f"{prefix}{key}" in RENAMED:
+            raise ConfigError(f"{_where(f'{prefix}{key}', sources)}: {RENAMED[f'{prefix}{key}']}.")
         if key not in names:
             dotted = f"{prefix}{key}"
             close = difflib.get_close_matches(str(key), names, n=1)
@@ -398,49 +453,17 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
     raise TypeError(f"unsupported config type {hint} ({dotted})")
 
 
-# (dotted key, predicate, what the value must be)
-_RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
-    ("seed", lambda v: v >= 0, "at least 0"),
-    ("rollout.max_turns", lambda v: v >= 1, "at least 1"),
-    ("rollout.max_new_tokens", lambda v: v >= 1, "at least 1"),
-    ("rollout.max_total_len", lambda v: v >= 2, "at least 2"),
-    ("rollout.temperature", lambda v: v > 0, "positive"),
-    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("rollout.top_k", lambda v: v >= 0, "at least 0"),
-    ("rollout.batch_size", lambda v: v >= 1, "at least 1"),
-    ("tools.timeout_s", lambda v: v > 0, "positive"),
-    ("tools.num_workers", lambda v: v >= 1, "at least 1"),
-    ("tools.max_result_chars", lambda v: v >= 16, "at least 16"),
-    ("loss.beta", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("loss.temperature", lambda v: v > 0, "positive"),
-    ("loss.chunk_size", lambda v: v >= 0, "at least 0"),
-    ("loss.gkd_lambda", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.lr", lambda v: v > 0, "positive"),
-    ("optim.weight_decay", lambda v: v >= 0, "at least 0"),
-    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ("optim.eps", lambda v: v > 0, "positive"),
-    ("optim.grad_clip", lambda v: v >= 0, "at least 0 (0 disables clipping)"),
-    ("optim.warmup_steps", lambda v: v >= 0, "at least 0"),
-    ("optim.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("train.steps", lambda v: v >= 1, "at least 1"),
-    ("train.prompts_per_step", lambda v: v >= 1, "at least 1"),
-    ("train.micro_batch_tokens", lambda v: v >= 2, "at least 2"),
-    ("checkpoint.every", lambda v: v >= 0, "at least 0"),
-    ("checkpoint.keep", lambda v: v >= 1, "at least 1"),
-    ("eval.every", lambda v: v >= 0, "at least 0"),
-    ("eval.limit", lambda v: v >= 0, "at least 0"),
-    ("cluster.threads_per_rank", lambda v: v >= 0, "at least 0"),
-    ("cluster.nodes", lambda v: v >= 1, "at least 1"),
-    ("cluster.procs_per_node", lambda v: v >= 1, "at least 1"),
-    ("cluster.slurm.gpus_per_node", lambda v: v >= 0, "at least 0"),
-    ("cluster.slurm.cpus_per_node", lambda v: v >= 0, "at least 0"),
-    ("cluster.slurm.signal_seconds", lambda v: v >= 0, "at least 0 (0: no warning signal)"),
-    ("cluster.slurm.time", lambda v: bool(v.strip()), "a time limit such as 12:00:00"),
-    ("cluster.slurm.env", lambda env: all(
-        re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)) and isinstance(v, (str, int, float))
-        and not isinstance(v, bool) for k, v in env.items()),
-     "a mapping of environment variable names to strings or numbers"),
-]
+def check_rules(section: Any, prefix: str = "", sources: dict[str, str] | None = None) -> None:
+    """The `rule` of every field of `section` and the sections inside it (see `rule`)."""
+    for item in dataclasses.fields(section):
+        value, dotted = getattr(section, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            check_rules(value, f"{dotted}.", sources)
+        elif "rule" in item.metadata:
+            ok, must = item.metadata["rule"]
+            if not ok(value):
+                where = f"{_where(dotted, sources)}: " if sources is not None else ""
+                raise ConfigError(f"{where}{dotted} must be {must}, got {value!r}.")
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -451,29 +474,34 @@ def _get(config: Config, dotted: str) -> Any:
 
 
 def check(config: Config, sources: dict[str, str] | None = None) -> None:
-    """Value rules that types cannot say; raises `ConfigError` naming the key and its source."""
+    """Every field's rule, then the rules across sections; `ConfigError` names key and source."""
     sources = sources or {}
-    for dotted, ok, must in _RULES:
-        value = _get(config, dotted)
-        if not ok(value):
-            raise ConfigError(f"{_where(dotted, sources)}: {dotted} must be {must}, got {value!r}.")
+    check_rules(config, "", sources)
+
+    def fail(key: str, sentence: str) -> ConfigError:
+        return ConfigError(f"{_where(key, sources)}: {sentence}")
+
     for key in ("model.student", "model.teacher", "data.prompts"):
         if not _get(config, key):
-            raise ConfigError(f"{_where(key, sources)}: {key} is not set; the recipe must name it.")
+            raise fail(key, f"{key} is not set; the recipe must name it.")
     if config.train.micro_batch_tokens < config.rollout.max_total_len:
-        raise ConfigError(
-            f"{_where('train.micro_batch_tokens', sources)}: train.micro_batch_tokens="
-            f"{config.train.micro_batch_tokens} must be at least rollout.max_total_len="
-            f"{config.rollout.max_total_len}, so the longest conversation fits one micro-batch.")
-    if config.loss.gkd_lambda > 0 and not config.data.completions:
-        raise ConfigError(f"{_where('data.completions', sources)}: data.completions must name a "
-                          "dataset of whole conversations when loss.gkd_lambda > 0.")
+        raise fail("train.micro_batch_tokens",
+                   f"train.micro_batch_tokens={config.train.micro_batch_tokens} must be at least "
+                   f"rollout.max_total_len={config.rollout.max_total_len}, so the longest "
+                   "conversation fits one micro-batch.")
+    if config.loss.off_policy_fraction > 0 and not config.data.completions:
+        raise fail("data.completions", "data.completions must name a dataset of whole "
+                   "conversations when loss.off_policy_fraction > 0.")
+    if config.data.eval and not config.eval.checker:
+        raise fail("eval.checker", "eval.checker must name a module:function(final_text, "
+                   "record) -> bool when data.eval is set (e.g. worlds.toolcalc.tasks:"
+                   "check_answer).")
     if config.eval.every and config.student.generation_gather != "once":
-        raise ConfigError(f"{_where('eval.every', sources)}: eval.every needs "
-                          "student.generation_gather=once (rank 0 evaluates the gathered student).")
+        raise fail("eval.every", "eval.every needs student.generation_gather=once (rank 0 "
+                   "evaluates the gathered student).")
     if config.teacher.offload_param == "nvme" and not config.teacher.nvme_path:
-        raise ConfigError(f"{_where('teacher.nvme_path', sources)}: teacher.nvme_path must name a "
-                          "directory when teacher.offload_param is nvme.")
+        raise fail("teacher.nvme_path", "teacher.nvme_path must name a directory when "
+                   "teacher.offload_param is nvme.")
     if config.teacher.engine != "zero_inference" and config.teacher.offload_param != "none":
-        raise ConfigError(f"{_where('teacher.offload_param', sources)}: teacher.offload_param only "
-                          "applies to teacher.engine=zero_inference.")
+        raise fail("teacher.offload_param", "teacher.offload_param only applies to "
+                   "teacher.engine=zero_inference.")

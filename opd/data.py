@@ -14,16 +14,20 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from opd.errors import DatasetError
+
 ROLES = ("system", "user", "assistant", "tool")
 ANSWER_KEY = "answer"
 
 
-class DatasetError(ValueError):
-    """A dataset file or line that cannot be used; the message names the file and line."""
-
 
 def load_jsonl(path: str | Path) -> list[dict]:
     """All records of a JSONL dataset, validated; blank lines are skipped."""
+    return [record for _, record in numbered_records(path)]
+
+
+def numbered_records(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, record) of every record of a JSONL dataset, validated."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"Dataset file {path} does not exist.")
@@ -40,7 +44,7 @@ def load_jsonl(path: str | Path) -> list[dict]:
             problem = record_problem(record)
             if problem:
                 raise DatasetError(f"{path} line {number}: {problem}.")
-            records.append(record)
+            records.append((number, record))
     if not records:
         raise DatasetError(f"Dataset file {path} has no records.")
     return records
@@ -72,7 +76,8 @@ def record_problem(record) -> str | None:
         for index, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                return f"tools[{index}] must look like {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                return (f"tools[{index}] must look like "
+                        '{"type": "function", "function": {"name": ...}}')
     return None
 
 

@@ -18,7 +18,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 COLLECTIVE_TIMEOUT_MIN = 60
 
 

@@ -3,7 +3,15 @@
 A task succeeds when the final assistant turn passes the answer checker, every tool call in the
 conversation was valid and ran, and nothing was truncated. Works for any Hugging Face causal LM
 directory (its tokenizer and chat template included), any JSONL dataset in the `opd.data` form
-and any checker `check(final_text, record) -> bool`; the default is the toolcalc checker.
+and any checker `check(final_text, record) -> bool`.
+
+The trainer's evals and `python -m opd.eval` are one path (`evaluate_model` under an `EvalSpec`):
+with `--recipe`, the command line evaluates exactly as the recipe's run does (its data, tools,
+checker, template arguments and rollout limits); flags override single keys.
+
+    python -m opd.eval --model runs/toolcalc_tiny/final --recipe recipes/toolcalc_tiny.yaml
+    python -m opd.eval --model DIR --data held.jsonl --tools pkg.mod:registry \\
+        --checker pkg.mod:check --chat-template-kwargs '{"enable_thinking": false}'
 
 Greedy by default (top_k=1 at temperature 1): the reported figure is then a property of the model,
 not of a sampling seed. `--temperature 1 --top-k 0` measures what OPD samples instead.
@@ -12,59 +20,106 @@ not of a sampling seed. `--temperature 1 --top-k 0` measures what OPD samples in
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-DEFAULT_CHECKER = "recipes.toolcalc.tasks:check_answer"
-DEFAULT_TOOLS = "opd.tools:builtin_registry"
+from tqdm import tqdm
+
+from opd.chat import ChatFormat
+from opd.config import RolloutConfig, ToolsConfig, load_config
+from opd.data import prompt_record
+from opd.errors import ConfigError, MissingFileError, OPDError
+from opd.inputs import chat_format, load_prompts
+from opd.plugins import Plugins, prepared, resolve_plugins
+from opd.rollout import rollout
+from opd.tools import ToolExecutor, ToolRegistry
+
 GROUP_KEY = "family"
 SAMPLES_KEPT = 10
 
 Checker = Callable[[str, dict], bool]
 
 
-class EvalError(ValueError):
-    """A user error in eval arguments; the message names the argument and value."""
-
-
-def greedy_rollout_config(**overrides):
-    from opd.rollout import RolloutConfig
-
-    return RolloutConfig(**{"temperature": 1.0, "top_k": 1, **overrides})
+def greedy(cfg: RolloutConfig) -> RolloutConfig:
+    """The rollout's limits with greedy decoding (top_k=1 at temperature 1)."""
+    return replace(cfg, temperature=1.0, top_k=1, top_p=1.0)
 
 
 def final_text(trajectory, tokenizer) -> str:
-    """The text of the conversation's last assistant turn ("" when it has none)."""
+    """The text of the conversation's last assistant turn ("" when it has none), without its
+    `<think>...</think>` block: the checker judges the answer, not the reasoning."""
     spans = trajectory.assistant_spans()
     if not spans:
         return ""
     start, end = spans[-1]
-    return tokenizer.decode(trajectory.input_ids[start:end], skip_special_tokens=True)
+    text = tokenizer.decode(trajectory.input_ids[start:end], skip_special_tokens=True)
+    return strip_thinking(text)
+
+
+def strip_thinking(text: str) -> str:
+    """`text` after its reasoning: past the last `</think>`; "" while a `<think>` is open."""
+    if "</think>" in text:
+        return text.rsplit("</think>", 1)[1].strip()
+    return "" if "<think>" in text else text
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Everything an evaluation needs but the model: the same for the trainer and the CLI."""
+
+    records: list[dict]
+    checker: Checker
+    tool_registry: ToolRegistry
+    parser: Callable
+    rollout: RolloutConfig  # greedy by default (see `greedy`)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    tokenizer: str = ""  # empty: the model's own directory
+    seed: int = 0
+
+
+def spec_from_config(config, plugins: Plugins, records: list[dict]) -> EvalSpec:
+    """The evaluation a recipe describes, on `records` (its checked data.eval)."""
+    return EvalSpec(records=records, checker=plugins.checker, tool_registry=plugins.tool_registry,
+                    parser=plugins.parser, rollout=greedy(config.rollout), tools=config.tools,
+                    chat_template_kwargs=config.model.chat_template_kwargs,
+                    tokenizer=config.model.tokenizer, seed=config.seed)
 
 
 def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg, *,
-             seed: int = 0, progress: str | None = None) -> dict:
+             seed: int = 0, parser: Callable | None = None, progress: str | None = None) -> dict:
     """Metrics of `model` on `records` (dataset lines with gold answers), plus a few samples."""
-    from tqdm import tqdm
-
-    from opd.data import prompt_record
-    from opd.rollout import rollout
-
     outcomes = []
     chunks = range(0, len(records), cfg.batch_size)
     for chunk, start in enumerate(tqdm(chunks, desc=progress, disable=progress is None,
                                        unit="batch", leave=False)):
         batch = records[start:start + cfg.batch_size]
         trajectories = rollout(model, chat, executor, [prompt_record(r) for r in batch], cfg,
-                               seed=seed + chunk)
+                               seed=seed + chunk, parser=parser)
         for record, trajectory in zip(batch, trajectories):
             outcomes.append(_outcome(record, trajectory, chat.tokenizer, check))
     return summarize(outcomes)
+
+
+def evaluate_model(model_path: str | Path, spec: EvalSpec, *, device=None,
+                   key: str = "--model", progress: str | None = None) -> dict:
+    """Metrics of a saved Hugging Face model under `spec` (samples included)."""
+    from transformers import AutoTokenizer
+
+    model = load_model(model_path, device, key)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer or str(model_path),
+                                              local_files_only=True)
+    chat = ChatFormat(tokenizer, spec.chat_template_kwargs, model.generation_config)
+    with ToolExecutor(spec.tool_registry, timeout_s=spec.tools.timeout_s,
+                      max_result_chars=spec.tools.max_result_chars,
+                      num_workers=spec.tools.num_workers,
+                      memory_limit_mb=spec.tools.memory_limit_mb) as executor:
+        return evaluate(model, chat, executor, spec.records, spec.checker, spec.rollout,
+                        seed=spec.seed, parser=spec.parser, progress=progress)
 
 
 def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
@@ -114,16 +169,6 @@ def _rates(outcomes: list[dict]) -> dict:
     }
 
 
-def resolve(spec: str, argument: str):
-    """`module:attribute` -> the object, or an EvalError naming the argument."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError):
-        raise EvalError(f"{argument} {spec!r} does not name an importable module:attribute.") \
-            from None
-
-
 def load_model(path: str | Path, device=None, key: str = "--model"):
     """A causal LM in eval mode on `device` (default: cuda when available), with the trainer's
     precision policy: bf16 and flash-attn where installed on GPU, fp32 and SDPA on CPU."""
@@ -132,78 +177,108 @@ def load_model(path: str | Path, device=None, key: str = "--model"):
     from opd.backends import load_causal_lm, resolve_precision
 
     if not Path(path).is_dir():
-        raise EvalError(f"Model path {path} is not a directory.")
+        raise MissingFileError(f"{key}: {path} is not a directory.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = resolve_precision("auto", "auto", device)
     model = load_causal_lm(str(path), precision.dtype, precision.attn_implementation, key)
     return model.to(device).eval()
 
 
-def evaluate_path(model_path: str | Path, data_path: str | Path, out_dir: str | Path | None, *,
-                  check: Checker | None = None, registry=None, cfg=None, seed: int = 0,
-                  limit: int | None = None, progress: str | None = "eval") -> dict:
-    """Evaluate a saved model on a JSONL dataset; writes `out_dir/eval.json` when out_dir is set."""
-    from transformers import AutoTokenizer
+TABLE_COLUMNS = ("success_rate", "answer_accuracy", "tool_call_validity", "truncation_rate",
+                 "mean_turns")
 
-    from opd.chat import ChatFormat
-    from opd.data import load_jsonl
-    from opd.tools import ToolExecutor
 
-    records = load_jsonl(data_path)[:limit]
-    check = check or resolve(DEFAULT_CHECKER, "--checker")
-    registry = registry or resolve(DEFAULT_TOOLS, "--tools")()
-    cfg = cfg or greedy_rollout_config()
-    model = load_model(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-    chat = ChatFormat(tokenizer, generation_config=model.generation_config)
-    with ToolExecutor(registry) as executor:
-        metrics = evaluate(model, chat, executor, records, check, cfg, seed=seed,
-                           progress=progress)
-    report = {"model": str(model_path), "data": str(data_path), "seed": seed,
-              "rollout": asdict(cfg), "metrics": metrics}
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
+def results_table(rows: dict[str, dict]) -> str:
+    """A fixed-width table: one row per evaluated model."""
+    def cell(value) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    lines = ["model    " + "  ".join(f"{c:>18}" for c in TABLE_COLUMNS)]
+    for label, metrics in rows.items():
+        cells = (f"{cell(metrics.get(c)):>18}" for c in TABLE_COLUMNS)
+        lines.append(f"{label:<9}" + "  ".join(cells))
+    return "\n".join(lines)
+
+
+# Command-line flags that set a config key; None (the default) keeps the recipe's value.
+FLAG_KEYS = {"data": "data.eval", "tools": "tools.registry", "checker": "eval.checker",
+             "parser": "tools.parser", "tokenizer": "model.tokenizer",
+             "chat_template_kwargs": "model.chat_template_kwargs", "limit": "eval.limit",
+             "seed": "seed", "batch_size": "rollout.batch_size", "max_turns": "rollout.max_turns",
+             "max_new_tokens": "rollout.max_new_tokens",
+             "max_total_len": "rollout.max_total_len", "temperature": "rollout.temperature",
+             "top_k": "rollout.top_k", "top_p": "rollout.top_p"}
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--recipe", help="take data, tools, checker, template arguments and "
+                                         "limits from this recipe (flags still win)")
+    parser.add_argument("--data", help="JSONL dataset with gold answers (data.eval)")
+    parser.add_argument("--out", help="directory for eval.json")
+    parser.add_argument("--tools", help="module:function() -> ToolRegistry (tools.registry)")
+    parser.add_argument("--checker", help="module:function(text, record) (eval.checker)")
+    parser.add_argument("--parser", help="tool-call parser (tools.parser)")
+    parser.add_argument("--tokenizer", help="tokenizer directory; default: the model's")
+    parser.add_argument("--chat-template-kwargs", metavar="JSON",
+                        help='template arguments, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--limit", type=int, help="evaluate only the first N records")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--max-turns", type=int)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--max-total-len", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-k", type=int, help="1 = greedy (the default), 0 = off")
+    parser.add_argument("--top-p", type=float)
+    return parser.parse_args(argv)
+
+
+def eval_config(args):
+    """The config an evaluation runs under: the recipe's (if any), then the flags; with no
+    recipe, the library's rollout limits, greedy."""
+    overrides = []
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    greedy_decoding = args.temperature is None and args.top_k is None and args.top_p is None
+    if args.recipe is None:
+        return load_config(None, None, overrides, complete=False), greedy_decoding
+    config = load_config(args.recipe, None, overrides)
+    return prepared(config, resolve_plugins(config), build=False), greedy_decoding
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--data", required=True, help="JSONL dataset with gold answers")
-    parser.add_argument("--out", help="directory for eval.json")
-    parser.add_argument("--checker", default=DEFAULT_CHECKER, help="module:function(text, record)")
-    parser.add_argument("--tools", default=DEFAULT_TOOLS, help="module:function() -> ToolRegistry")
-    parser.add_argument("--limit", type=int, help="evaluate only the first N records")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--max-total-len", type=int, default=2048)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=1, help="1 = greedy (default), 0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    args = parser.parse_args(argv)
-    from opd.chat import ChatTemplateError
-    from opd.data import DatasetError
-    from opd.rollout import RolloutConfig
-
-    cfg = RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                        max_total_len=args.max_total_len, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size)
+    """`python -m opd.eval --model DIR (--recipe R | --data D --tools T --checker C)`."""
+    args = parse_args(argv)
     try:
-        cfg.validate()
-    except ValueError as error:
+        config, greedy_decoding = eval_config(args)
+        plugins = resolve_plugins(config)
+        for key, flag, value in (("data.eval", "--data", config.data.eval),
+                                 ("eval.checker", "--checker", plugins.checker),
+                                 ("tools.registry", "--tools", config.tools.registry)):
+            if not value:
+                raise ConfigError(f"{flag} (or a --recipe that sets {key}) is needed.")
+        if not Path(args.model).is_dir():
+            raise MissingFileError(f"--model: {args.model} is not a directory.")
+        chat = chat_format(config.model.tokenizer or args.model, config.model, args.model,
+                           "--tokenizer" if config.model.tokenizer else "--model")
+        rollout_cfg = greedy(config.rollout) if greedy_decoding else config.rollout
+        records = load_prompts(config.data.eval, chat, rollout_cfg.max_total_len, "--data")
+        spec = replace(spec_from_config(config, plugins, records[:config.eval.limit or None]),
+                       rollout=rollout_cfg)
+        metrics = evaluate_model(args.model, spec, progress="eval")
+    except OPDError as error:
         sys.exit(f"error: {error}")
-    try:
-        report = evaluate_path(args.model, args.data, args.out,
-                               check=resolve(args.checker, "--checker"),
-                               registry=resolve(args.tools, "--tools")(), cfg=cfg,
-                               seed=args.seed, limit=args.limit)
-    except (EvalError, DatasetError, ChatTemplateError) as error:
-        sys.exit(f"error: {error}")
-    metrics = {k: v for k, v in report["metrics"].items() if k not in ("samples", "per_group")}
-    print(json.dumps(metrics))
+    report = {"model": str(args.model), "data": config.data.eval, "seed": spec.seed,
+              "rollout": asdict(spec.rollout), "metrics": metrics}
+    if args.out is not None:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(results_table({"model": metrics}))
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "per_group")}))
     return report
 
 

@@ -63,8 +63,9 @@ again fails ("The size of tensor a (0) must match the size of tensor b ...").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from opd.backends import load_causal_lm, resolve_precision
-
-
-class VocabularyError(ValueError):
-    """Student and teacher cannot be compared token by token."""
+from opd.config import TeacherConfig
+from opd.dist import World
 
 
 class TeacherModule(nn.Module):
@@ -77,7 +74,8 @@ class ReplicatedTeacher(Teacher):
 
 
 class ZeroInferenceTeacher(Teacher):
-    def __init__(self, model: nn.Module, config, world, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, teacher: TeacherConfig, world: World,
+                 dtype: torch.dtype):
         import deepspeed
 
         from opd.backends.deepspeed import read_json_config, zero3_config
@@ -85,9 +83,9 @@ class ZeroInferenceTeacher(Teacher):
 
         init_deepspeed_comm(world)
         ds_config = zero3_config(
-            read_json_config(config.teacher.deepspeed_config, "teacher.deepspeed_config"),
+            read_json_config(teacher.deepspeed_config, "teacher.deepspeed_config"),
             world_size=world.world_size, bf16=dtype == torch.bfloat16,
-            offload_param=config.teacher.offload_param, nvme_path=config.teacher.nvme_path)
+            offload_param=teacher.offload_param, nvme_path=teacher.nvme_path)
         self.hf_model = _freeze(model)
         self.engine, *_ = deepspeed.initialize(model=TeacherModule(self.hf_model), config=ds_config)
         self.engine.eval()
@@ -160,41 +158,13 @@ class TensorParallelTeacher(Teacher):
         yield weight, head.bias
 
 
-def check_vocabulary(student: nn.Module, teacher: nn.Module, tokenizer, teacher_path: str) -> int:
-    """The vocabulary size the loss compares over; raises `VocabularyError` when they differ.
-
-    Sizes may differ by embedding padding (rows past the tokenizer's last id, never sampled),
-    as Qwen checkpoints do; the shared size is the smaller one.
-    """
-    tokens = len(tokenizer)
-    student_v = student.get_output_embeddings().out_features
-    teacher_v = teacher.config.vocab_size
-    if min(student_v, teacher_v) < tokens:
-        raise VocabularyError(
-            f"The tokenizer has {tokens} tokens but the student's vocabulary is {student_v} and "
-            f"the teacher's ({teacher_path}) is {teacher_v}: both must cover the tokenizer.")
-    teacher_tokenizer = _tokenizer_at(teacher_path)
-    if teacher_tokenizer is not None and teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise VocabularyError(
-            f"The teacher's tokenizer in {teacher_path} differs from the student's: on-policy "
-            "distillation compares next-token distributions over one shared vocabulary.")
-    return min(student_v, teacher_v)
-
-
-def _tokenizer_at(path: str):
-    names = ("tokenizer.json", "tokenizer_config.json")
-    if not any((Path(path) / name).is_file() for name in names):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def build_teacher(config, world) -> Teacher:
-    precision = resolve_precision(config.teacher.precision, "auto", world.device)
-    model = load_causal_lm(config.model.teacher, precision.dtype, precision.attn_implementation,
+def build_teacher(model_path: str, teacher: TeacherConfig, world: World) -> Teacher:
+    """The teacher engine `teacher.engine` names, loaded from `model_path` (model.teacher)."""
+    precision = resolve_precision(teacher.precision, "auto", world.device)
+    model = load_causal_lm(model_path, precision.dtype, precision.attn_implementation,
                            "model.teacher")
-    if config.teacher.engine == "replicated":
+    if teacher.engine == "replicated":
         return ReplicatedTeacher(model, world.device)
-    if config.teacher.engine == "zero_inference":
-        return ZeroInferenceTeacher(model, config, world, precision.dtype)
+    if teacher.engine == "zero_inference":
+        return ZeroInferenceTeacher(model, teacher, world, precision.dtype)
     return TensorParallelTeacher(model, world, precision.dtype)

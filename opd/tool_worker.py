@@ -10,7 +10,8 @@ import os
 import pickle
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _dumps(value: Any) -> str:

@@ -20,11 +20,16 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from opd import tool_worker
-from opd.toy_tools import TOOL_FUNCTIONS, TOOL_SCHEMAS
+from opd.errors import ConfigError
+
+# Bounds the executor enforces; the config's `tools.*` rules use the same numbers.
+MIN_RESULT_CHARS = 64  # an {"error": ...} observation must fit
+MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
 
 
 @dataclass
@@ -102,7 +107,8 @@ def register_parser(name: str, parser: ToolCallParser) -> None:
 
 def get_parser(name: str) -> ToolCallParser:
     if name not in _PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; registered: {', '.join(_PARSERS)}")
+        raise ConfigError(f"tools.parser {name!r} is not a registered tool-call parser (registered: "
+                          f"{', '.join(_PARSERS)}) nor a module:function.")
     return _PARSERS[name]
 
 
@@ -322,12 +328,13 @@ class ToolExecutor:
     def __init__(self, registry: ToolRegistry, *, timeout_s: float = 10.0,
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
                  start_timeout_s: float = 60.0):
-        if min(timeout_s, num_workers, memory_limit_mb, start_timeout_s) <= 0:
-            raise ValueError("ToolExecutor timeout_s, num_workers, memory_limit_mb and "
-                             "start_timeout_s must be positive")
-        if max_result_chars < 64:
-            raise ValueError(f"ToolExecutor max_result_chars must be at least 64 to hold an "
-                             f"error, got {max_result_chars}")
+        if min(timeout_s, num_workers, start_timeout_s) <= 0:
+            raise ValueError("ToolExecutor timeout_s, num_workers and start_timeout_s must be "
+                             "positive")
+        if memory_limit_mb < MIN_MEMORY_LIMIT_MB or max_result_chars < MIN_RESULT_CHARS:
+            raise ValueError(f"ToolExecutor memory_limit_mb must be at least "
+                             f"{MIN_MEMORY_LIMIT_MB} and max_result_chars at least "
+                             f"{MIN_RESULT_CHARS} (got {memory_limit_mb}, {max_result_chars})")
         self.registry = registry
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
@@ -438,8 +445,3 @@ class ToolExecutor:
                 f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
         return _Worker(self._setup, self.start_timeout_s)
 
-
-def builtin_registry() -> ToolRegistry:
-    """The toolcalc world's tools: calculator, convert_units, lookup."""
-    return ToolRegistry([Tool(schema, TOOL_FUNCTIONS[schema["function"]["name"]])
-                         for schema in TOOL_SCHEMAS])

@@ -1,18 +1,17 @@
-"""The OPD loop: rollout -> pack -> teacher -> fused loss -> optimizer step.
+"""The OPD loop. One optimizer step, in five stages:
 
-One optimizer step:
-1. Prompts: the step's slice of a seeded, epoch-wise shuffle of the prompt set, dealt round-robin
-   to data-parallel ranks (or, with probability `loss.gkd_lambda`, the same slice of dataset
-   completions: the GKD off-policy mix, decided identically on every rank).
-2. Rollout under the student's generation context (gathered once, or gathered per forward with
-   all ranks in lockstep).
-3. Varlen packing into micro-batches; ranks agree on the micro-batch count (short ranks add
-   empty ones) and on the global number of target tokens.
-4. Per micro-batch: teacher hidden states, then the student's fused loss (sum over target tokens)
-   scaled by world_size / global_targets, so that after data-parallel gradient averaging the
-   gradient is that of the mean over every target token of the step, however they are split
-   across ranks and micro-batches.
-5. Clip, step at the scheduled learning rate; log; eval and checkpoint when due.
+1. rollout   this rank's prompts of the step (opd.steps) are sampled by the student under its
+             generation context, tools run in the sandbox (opd.tools); or, on an off-policy
+             step, the same share of dataset completions (loss.off_policy_fraction);
+2. pack      varlen micro-batches; ranks agree on the micro-batch count (short ranks add empty
+             ones) and on the step's global number of target tokens;
+3. teacher   per micro-batch, the teacher's final hidden states (no grad);
+4. loss      the student's fused distillation loss, summed over target tokens and scaled by
+             world_size / global_targets: after data-parallel gradient averaging the gradient is
+             that of the mean over every target token of the step, however they are split;
+5. step      clip and step at the scheduled learning rate, unless the loss or the gradient norm
+             is not finite (then nothing is applied: train.nonfinite); log; eval and checkpoint
+             when due.
 
 Everything random is derived from (seed, step, rank), so a resumed run repeats the steps of an
 uninterrupted one exactly.
@@ -21,183 +20,118 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import math
-import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
-from opd import checkpoint
+from opd import checkpoint, preemption
+from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
 from opd.dist import World, all_reduce, barrier, lockstep
-
-if TYPE_CHECKING:
-    from opd.backends import StudentEngine
-    from opd.chat import ChatFormat
-    from opd.metrics import MetricsLog
-    from opd.rollout import AgentTrajectory
-    from opd.teacher import Teacher
-    from opd.tools import ToolExecutor
+from opd.errors import MissingFileError, NonFiniteError
+from opd.eval import evaluate, greedy
+from opd.inputs import RunInputs
+from opd.loss import fused_distillation_loss
+from opd.metrics import MetricsLog
+from opd.packing import PackedBatch, pack_varlen
+from opd.plugins import Plugins
+from opd.rollout import AgentTrajectory, rollout
+from opd.steps import learning_rate, off_policy, rollout_seed, step_records
+from opd.teacher import Teacher, build_teacher
+from opd.tools import ToolExecutor
 
 
 @dataclass
 class Run:
-    """What a training run holds between steps (built once by `setup`)."""
+    """What a training run holds between steps."""
 
     config: Config
+    plugins: Plugins
+    inputs: RunInputs
     world: World
     student: StudentEngine
     teacher: Teacher
-    chat: ChatFormat
     executor: ToolExecutor
-    parser: Callable
-    prompts: list[dict]
-    completions: list[dict]
-    eval_records: list[dict]
-    vocab_size: int
-    log: MetricsLog | None = None
+    log: MetricsLog
     start_step: int = 0
-    # dataset name -> epoch -> shuffled record indices (cached; a pure function of seed and epoch)
+    nonfinite_in_a_row: int = 0
+    nonfinite_steps: int = 0
+    # dataset name -> epoch -> shuffled record indices (a pure function of seed and epoch)
     epoch_orders: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    # id(completion record) -> its rendered trajectory: rendered once, reused every epoch
-    rendered_completions: dict[int, AgentTrajectory] = field(default_factory=dict)
 
 
-def learning_rate(step: int, config: Config) -> float:
-    """Linear warmup to `optim.lr`, then cosine or linear decay to `lr * min_lr_ratio` (1-based)."""
-    optim, total = config.optim, config.train.steps
-    if step <= optim.warmup_steps:
-        return optim.lr * step / optim.warmup_steps
-    if optim.schedule == "constant":
-        return optim.lr
-    progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
-    return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay)
+def train(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> Path | None:
+    """Train to `train.steps`, checkpointing and evaluating as configured; export `final/`.
+
+    Returns None when a stop signal (opd.preemption) ended the run early: all ranks agree at a
+    step boundary and checkpoint; after USR1 the job is requeued to resume from there.
+    """
+    run = start(config, plugins, inputs, world)
+    progress = tqdm(total=config.train.steps, initial=run.start_step, desc="OPD", unit="step",
+                    disable=not (world.is_main and config.logging.progress))
+    try:
+        for step in range(run.start_step + 1, config.train.steps + 1):
+            record = train_step(run, step)
+            if config.eval.every and step % config.eval.every == 0 and inputs.eval_records:
+                record.update(evaluate_student(run))
+            run.log.log(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+            # A signal during the last step needs no stop: the run finishes and exports.
+            stop = preemption.stop_requested() if step < config.train.steps else None
+            due = config.checkpoint.every and step % config.checkpoint.every == 0
+            if stop or due or step == config.train.steps:
+                checkpoint.save(config.run_dir / "checkpoints", step, run.student,
+                                {"name": config.name}, world, config.checkpoint.keep)
+            if stop:
+                preemption.after_checkpoint(stop)
+                return None
+        final = config.run_dir / "final"
+        run.student.export_hf(final)
+        if world.is_main:
+            inputs.chat.tokenizer.save_pretrained(final)
+        barrier()
+        return final
+    finally:
+        progress.close()
+        run.log.close()
+        run.executor.close()
 
 
-def step_records(records: list[dict], step: int, config: Config, world: World,
-                 orders: dict[int, list[int]]) -> list[dict]:
-    """This rank's share of step `step`'s prompts (1-based), in a seeded order, epoch by epoch."""
-    per_step = config.train.prompts_per_step
-    picked = []
-    for position in range((step - 1) * per_step, step * per_step):
-        epoch, index = divmod(position, len(records))
-        if epoch not in orders:
-            order = list(range(len(records)))
-            random.Random(f"order/{config.seed}/{epoch}").shuffle(order)
-            orders[epoch] = order
-        picked.append(records[orders[epoch][index]])
-    return picked[world.rank::world.world_size]
+def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> Run:
+    """Engines and tools of a run, resumed from a checkpoint when one is configured."""
+    torch.manual_seed(config.seed)
+    if world.is_main:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        (config.run_dir / "config.yaml").write_text(to_yaml(config))
+    student = build_student(config.model.student, config.student, config.optim, world)
+    teacher = build_teacher(config.model.teacher, config.teacher, world)
+    executor = ToolExecutor(plugins.tool_registry, timeout_s=config.tools.timeout_s,
+                            max_result_chars=config.tools.max_result_chars,
+                            num_workers=config.tools.num_workers,
+                            memory_limit_mb=config.tools.memory_limit_mb)
+    resume_from = resume_path(config)
+    start_step = checkpoint.load(resume_from, student, world)["step"] if resume_from else 0
+    log = MetricsLog(config.run_dir, enabled=world.is_main, resume_step=start_step,
+                     wandb_mode=config.logging.wandb_mode,
+                     wandb_project=config.logging.wandb_project, run_name=config.name,
+                     config=to_dict(config))
+    return Run(config=config, plugins=plugins, inputs=inputs, world=world, student=student,
+               teacher=teacher, executor=executor, log=log, start_step=start_step)
 
 
-def off_policy(config: Config, step: int) -> bool:
-    """Whether step `step` trains on dataset completions (same answer on every rank)."""
-    if config.loss.gkd_lambda <= 0:
-        return False
-    return random.Random(f"gkd/{config.seed}/{step}").random() < config.loss.gkd_lambda
-
-
-def rollout_seed(config: Config, step: int, rank: int) -> int:
-    return (config.seed * 1_000_003 + step) * 4099 + rank
-
-
-def collect(run: Run, step: int) -> tuple[list, bool]:
-    """Trajectories of this rank for `step`, and whether they are off-policy completions."""
-    from opd.data import DatasetError, completion_trajectory
-    from opd.rollout import rollout
-
-    config, world = run.config, run.world
-    if off_policy(config, step):
-        records = step_records(run.completions, step, config, world,
-                               run.epoch_orders.setdefault("completions", {}))
-        for r in records:
-            if id(r) not in run.rendered_completions:
-                run.rendered_completions[id(r)] = completion_trajectory(run.chat, r["messages"],
-                                                                        r.get("tools"))
-        trajectories = [run.rendered_completions[id(r)] for r in records]
-        longest = max((len(t.input_ids) for t in trajectories), default=0)
-        if longest > config.train.micro_batch_tokens:
-            raise DatasetError(f"data.completions holds a conversation of {longest} tokens, more "
-                             f"than train.micro_batch_tokens={config.train.micro_batch_tokens}.")
-        return trajectories, True
-    prompts = step_records(run.prompts, step, config, world,
-                           run.epoch_orders.setdefault("prompts", {}))
-    gather = config.student.generation_gather == "once"
-    sync = lockstep() if world.distributed and not gather else None
-    with run.student.generation_context(gather) as model:
-        trajectories = rollout(model, run.chat, run.executor, prompts,
-                               config.rollout,
-                               seed=rollout_seed(config, step, world.rank), parser=run.parser,
-                               sync=sync)
-    return trajectories, False
-
-
-def empty_micro_batch(pad_token_id: int):
-    """Two tokens, no targets: a rank with fewer micro-batches runs these to stay in lockstep."""
-    from opd.packing import PackedBatch
-
-    return PackedBatch(input_ids=torch.full((1, 2), pad_token_id, dtype=torch.long),
-                       position_ids=torch.arange(2)[None],
-                       target_mask=torch.zeros((1, 2), dtype=torch.bool),
-                       cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), trajectory_index=[])
-
-
-def head_loss(teacher_hidden_NH, teacher_weight, teacher_bias, target_mask_N, config: Config,
-              vocab_size: int, hidden_NH, weight, bias):
-    """Sum of the per-token distillation loss over targets, and the target count."""
-    from opd.loss import fused_distillation_loss
-
-    loss_sum = fused_distillation_loss(
-        hidden_NH, weight, teacher_hidden_NH, teacher_weight, target_mask_N,
-        student_bias=bias, teacher_bias=teacher_bias, vocab_size=vocab_size,
-        chunk_size=config.loss.chunk_size or None, temperature=config.loss.temperature,
-        direction=config.loss.direction, beta=config.loss.beta, reduction="sum")
-    return loss_sum, target_mask_N.sum()
-
-
-def optimize(run: Run, trajectories: list, step: int) -> dict:
-    """Teacher-score and learn from this rank's trajectories: one optimizer step (collective)."""
-    from opd.packing import pack_varlen
-
-    config, world = run.config, run.world
-    batches = pack_varlen(trajectories, config.train.micro_batch_tokens) if trajectories else []
-    local_targets = sum(b.num_targets for b in batches)
-    most_batches, = all_reduce([len(batches)], op="max")
-    global_targets, = all_reduce([local_targets])
-    batches += [empty_micro_batch(run.chat.pad_token_id)] * int(most_batches - len(batches))
-    scale = world.world_size / max(global_targets, 1.0)
-
-    run.student.train_mode()
-    teacher_s = train_s = loss_sum = 0.0
-    for batch in batches:
-        batch = batch.to(world.device)
-        tick = time.perf_counter()
-        teacher_hidden = run.teacher.hidden_states(batch.input_ids, batch.position_ids)
-        teacher_s += time.perf_counter() - tick
-        tick = time.perf_counter()
-        with run.teacher.lm_head() as (teacher_weight, teacher_bias):
-            loss = partial(head_loss, teacher_hidden, teacher_weight, teacher_bias,
-                           batch.target_mask[0], config, run.vocab_size)
-            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, loss)
-            run.student.backward(batch_sum * scale)
-        loss_sum += float(batch_sum.detach())
-        train_s += time.perf_counter() - tick
-    tick = time.perf_counter()
-    lr = learning_rate(step, config)
-    grad_norm = run.student.step(lr)
-    train_s += time.perf_counter() - tick
-    total_loss, = all_reduce([loss_sum])
-    loss = total_loss / max(global_targets, 1.0)
-    # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
-    # KL per target token between the temperature-scaled distributions (none for jsd).
-    kl = loss / config.loss.temperature ** 2 if config.loss.direction != "jsd" else None
-    return {"loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
-            "micro_batches": int(most_batches), "lr": lr, "grad_norm": grad_norm,
-            "teacher_s": round(teacher_s, 4), "train_s": round(train_s, 4)}
+def resume_path(config: Config) -> Path | None:
+    if config.checkpoint.resume == "never":
+        return None
+    if config.checkpoint.resume == "auto":
+        return checkpoint.latest(config.run_dir / "checkpoints")
+    path = Path(config.checkpoint.resume)
+    if not path.is_dir():
+        raise MissingFileError(f"checkpoint.resume: {path} is not a checkpoint directory.")
+    return path
 
 
 def train_step(run: Run, step: int) -> dict:
@@ -220,207 +154,145 @@ def train_step(run: Run, step: int) -> dict:
     }
 
 
-def tool_executor(config: Config):
-    from opd.eval import resolve
-    from opd.tools import ToolExecutor
-
-    return ToolExecutor(resolve(config.tools.registry, "tools.registry")(),
-                        timeout_s=config.tools.timeout_s,
-                        max_result_chars=config.tools.max_result_chars,
-                        num_workers=config.tools.num_workers,
-                        memory_limit_mb=config.tools.memory_limit_mb)
-
-
-def setup(config: Config, world: World) -> Run:
-    """Engines, data and tools of a run; resumes from a checkpoint when configured."""
-    from transformers import AutoTokenizer
-
-    from opd.backends import build_student
-    from opd.chat import ChatFormat
-    from opd.data import load_jsonl
-    from opd.metrics import MetricsLog
-    from opd.teacher import build_teacher, check_vocabulary
-    from opd.tools import get_parser
-
-    torch.manual_seed(config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
-    student = build_student(config, world)
-    teacher = build_teacher(config, world)
-    vocab_size = check_vocabulary(student.hf_model, teacher.hf_model, tokenizer,
-                                  config.model.teacher)
-    chat = ChatFormat(tokenizer, config.model.chat_template_kwargs,
-                      student.hf_model.generation_config)
-    run = Run(config=config, world=world, student=student, teacher=teacher, chat=chat,
-              executor=tool_executor(config), parser=get_parser(config.tools.parser),
-              prompts=load_jsonl(config.data.prompts),
-              completions=load_jsonl(config.data.completions) if config.loss.gkd_lambda > 0 else [],
-              eval_records=load_jsonl(config.data.eval)[:config.eval.limit or None]
-              if config.data.eval and config.eval.every else [],
-              vocab_size=vocab_size)
-    resume_from = _resume_path(config)
-    if resume_from is not None:
-        run.start_step = checkpoint.load(resume_from, student, world)["step"]
-    run.log = MetricsLog(config.run_dir, enabled=world.is_main, resume_step=run.start_step,
-                         wandb_mode=config.logging.wandb_mode,
-                         wandb_project=config.logging.wandb_project, run_name=config.name,
-                         config=to_dict(config))
-    return run
+def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool]:
+    """Stage 1: this rank's trajectories for `step`, and whether they are off-policy."""
+    config, world = run.config, run.world
+    if off_policy(config, step):
+        return step_records(run.inputs.completions, step, config, world.rank, world.world_size,
+                            run.epoch_orders.setdefault("completions", {})), True
+    prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
+                           run.epoch_orders.setdefault("prompts", {}))
+    gather = config.student.generation_gather == "once"
+    sync = lockstep() if world.distributed and not gather else None
+    with run.student.generation_context(gather) as model:
+        trajectories = rollout(model, run.inputs.chat, run.executor, prompts, config.rollout,
+                               seed=rollout_seed(config, step, world.rank),
+                               parser=run.plugins.parser, sync=sync)
+    return trajectories, False
 
 
-def _resume_path(config: Config) -> Path | None:
-    if config.checkpoint.resume == "never":
-        return None
-    if config.checkpoint.resume == "auto":
-        return checkpoint.latest(config.run_dir / "checkpoints")
-    path = Path(config.checkpoint.resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint directory.")
-    return path
+@dataclass
+class DistillationHead:
+    """The student's loss on one micro-batch, given the teacher's side of it: called by the
+    student engine inside its forward with its final hidden states and lm_head."""
+
+    teacher_hidden_NH: torch.Tensor
+    teacher_weight_VH: torch.Tensor
+    teacher_bias_V: torch.Tensor | None
+    target_mask_N: torch.Tensor
+    config: Config
+    vocab_size: int
+
+    def __call__(self, hidden_NH, weight_VH, bias_V) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of the per-token loss over targets, and the target count."""
+        loss = self.config.loss
+        loss_sum = fused_distillation_loss(
+            hidden_NH, weight_VH, self.teacher_hidden_NH, self.teacher_weight_VH,
+            self.target_mask_N, student_bias=bias_V, teacher_bias=self.teacher_bias_V,
+            vocab_size=self.vocab_size, chunk_size=loss.chunk_size or None,
+            temperature=loss.temperature, direction=loss.direction, beta=loss.beta,
+            reduction="sum")
+        return loss_sum, self.target_mask_N.sum()
 
 
-def eval_rollout_config(config: Config):
-    """Greedy decoding within the recipe's rollout limits."""
-    from opd.eval import greedy_rollout_config
+def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
+    """Stages 2-5 on this rank's trajectories: one optimizer step (collective)."""
+    config, world = run.config, run.world
+    batches, global_targets = pack(run, trajectories)
+    scale = world.world_size / max(global_targets, 1.0)
 
-    return greedy_rollout_config(**{k: getattr(config.rollout, k) for k in
-                                    ("max_turns", "max_new_tokens", "max_total_len", "batch_size")})
+    run.student.train_mode()
+    teacher_s = train_s = loss_sum = 0.0
+    for batch in batches:
+        batch = batch.to(world.device)
+        tick = time.perf_counter()
+        teacher_hidden = run.teacher.hidden_states(batch.input_ids, batch.position_ids)
+        teacher_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        with run.teacher.lm_head() as (teacher_weight, teacher_bias):
+            head = DistillationHead(teacher_hidden, teacher_weight, teacher_bias,
+                                    batch.target_mask[0], config, run.inputs.vocab_size)
+            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
+            run.student.backward(batch_sum * scale)
+        loss_sum += float(batch_sum.detach())
+        train_s += time.perf_counter() - tick
+    total_loss, = all_reduce([loss_sum])
+    loss = total_loss / max(global_targets, 1.0)
+
+    tick = time.perf_counter()
+    lr = learning_rate(step, config.optim, config.train.steps)
+    grad_norm, applied = run.student.step(lr, skip=not math.isfinite(loss))
+    train_s += time.perf_counter() - tick
+    guard_nonfinite(run, step, loss, grad_norm, applied)
+    # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
+    # KL per target token between the temperature-scaled distributions (none for jsd).
+    kl = loss / config.loss.temperature ** 2 if config.loss.direction != "jsd" else None
+    return {"loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
+            "micro_batches": len(batches), "lr": lr, "grad_norm": grad_norm,
+            "skipped": not applied, "nonfinite_steps": run.nonfinite_steps,
+            "teacher_s": round(teacher_s, 4), "train_s": round(train_s, 4)}
+
+
+def pack(run: Run, trajectories: list[AgentTrajectory]) -> tuple[list[PackedBatch], float]:
+    """Stage 2: micro-batches, padded to the count of the rank with most, and the step's
+    global number of target tokens."""
+    batches = pack_varlen(trajectories, run.config.train.micro_batch_tokens) \
+        if trajectories else []
+    most_batches, = all_reduce([len(batches)], op="max")
+    global_targets, = all_reduce([sum(b.num_targets for b in batches)])
+    empty = empty_micro_batch(run.inputs.chat.pad_token_id)
+    return batches + [empty] * int(most_batches - len(batches)), global_targets
+
+
+def empty_micro_batch(pad_token_id: int) -> PackedBatch:
+    """Two tokens, no targets: a rank with fewer micro-batches runs these to stay in lockstep."""
+    return PackedBatch(input_ids=torch.full((1, 2), pad_token_id, dtype=torch.long),
+                       position_ids=torch.arange(2)[None],
+                       target_mask=torch.zeros((1, 2), dtype=torch.bool),
+                       cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), trajectory_index=[])
+
+
+def guard_nonfinite(run: Run, step: int, loss: float, grad_norm: float, applied: bool) -> None:
+    """Count a step the engine did not apply; stop as `train.nonfinite` says.
+
+    Every rank sees the same all-reduced loss and the same global norm, so all ranks decide
+    alike. A non-finite loss with an applied update cannot be undone: the run stops before the
+    next checkpoint could keep it.
+    """
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if applied and finite:
+        run.nonfinite_in_a_row = 0
+        return
+    run.nonfinite_steps += 1
+    run.nonfinite_in_a_row += 1
+    train = run.config.train
+    what = f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}"
+    if applied:
+        raise NonFiniteError(f"{what} was applied by the optimizer although not finite; the run "
+                             "stops before a checkpoint could keep it.")
+    if step == train.steps and run.nonfinite_steps == step - run.start_step:
+        raise NonFiniteError(f"{what}: no step of this run was finite, so nothing was learned "
+                             "and nothing is exported. Check the teacher's weights, the "
+                             "learning rate and the data.")
+    if train.nonfinite == "stop" or run.nonfinite_in_a_row >= train.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"{what}: {run.nonfinite_in_a_row} step(s) in a row not finite and skipped "
+            f"(train.nonfinite={train.nonfinite}, train.max_nonfinite_steps="
+            f"{train.max_nonfinite_steps}); checkpoints hold only applied steps. Check the "
+            "teacher's weights, the learning rate and the data.")
+    if run.world.is_main:
+        tqdm.write(f"warning: {what} not finite; step skipped, nothing applied "
+                   f"({run.nonfinite_in_a_row} in a row).")
 
 
 def evaluate_student(run: Run) -> dict:
     """Held-out metrics of the current student (rank 0 evaluates the gathered model)."""
-    from opd.eval import evaluate, resolve
-
     config = run.config
     metrics = {}
     with run.student.generation_context(True) as model:
         if run.world.is_main:
-            metrics = evaluate(model, run.chat, run.executor, run.eval_records,
-                               resolve(config.eval.checker, "eval.checker"),
-                               eval_rollout_config(config), seed=config.seed)
+            metrics = evaluate(model, run.inputs.chat, run.executor, run.inputs.eval_records,
+                               run.plugins.checker, greedy(config.rollout), seed=config.seed,
+                               parser=run.plugins.parser)
         barrier()
     return {f"eval_{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
-
-
-def train(config: Config, world: World) -> Path | None:
-    """Train to `train.steps`, checkpointing and evaluating as configured; export `final/`.
-
-    Returns None when a stop signal (opd.preemption) ended the run early: all ranks agree at a
-    step boundary and checkpoint; after USR1 the job is requeued to resume from there.
-    """
-    from tqdm import tqdm
-
-    from opd import preemption
-
-    run = setup(config, world)
-    if world.is_main:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        (config.run_dir / "config.yaml").write_text(to_yaml(config))
-    progress = tqdm(total=config.train.steps, initial=run.start_step, desc="OPD", unit="step",
-                    disable=not (world.is_main and config.logging.progress))
-    try:
-        for step in range(run.start_step + 1, config.train.steps + 1):
-            record = train_step(run, step)
-            if config.eval.every and step % config.eval.every == 0 and run.eval_records:
-                record.update(evaluate_student(run))
-            run.log.log(record)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-            # A signal during the last step needs no stop: the run finishes and exports.
-            stop = preemption.stop_requested() if step < config.train.steps else None
-            due = config.checkpoint.every and step % config.checkpoint.every == 0
-            if stop or due or step == config.train.steps:
-                checkpoint.save(config.run_dir / "checkpoints", step, run.student,
-                                {"name": config.name}, world, config.checkpoint.keep)
-            if stop:
-                preemption.after_checkpoint(stop)
-                return None
-        final = config.run_dir / "final"
-        run.student.export_hf(final)
-        if world.is_main:
-            run.chat.tokenizer.save_pretrained(final)
-        barrier()
-        return final
-    finally:
-        progress.close()
-        run.log.close()
-        run.executor.close()
-
-
-def prepare(config: Config, world: World) -> Config:
-    """Run the recipe's prepare step (one builder per node, others reuse its cache)."""
-    if not config.prepare:
-        return config
-    from opd.config import with_prepared
-    from opd.eval import resolve
-
-    build = resolve(config.prepare, "prepare")
-    if world.local_rank == 0:
-        prepared = build()
-    barrier()
-    if world.local_rank != 0:
-        prepared = build()
-    return with_prepared(config, getattr(prepared, "root", prepared))
-
-
-def evaluate_model(config: Config, model_path: str | Path, label: str, device) -> dict:
-    """Held-out metrics of a saved Hugging Face model: greedy, the rollout's limits, the run's
-    tokenizer and chat template."""
-    from transformers import AutoTokenizer
-
-    from opd.chat import ChatFormat
-    from opd.data import load_jsonl
-    from opd.eval import evaluate, load_model, resolve
-
-    model = load_model(model_path, device, label)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
-    chat = ChatFormat(tokenizer, config.model.chat_template_kwargs, model.generation_config)
-    with tool_executor(config) as executor:
-        metrics = evaluate(model, chat, executor,
-                           load_jsonl(config.data.eval)[:config.eval.limit or None],
-                           resolve(config.eval.checker, "eval.checker"),
-                           eval_rollout_config(config), seed=config.seed,
-                           progress=f"eval {label}" if config.logging.progress else None)
-    metrics.pop("samples", None)
-    return metrics
-
-
-TABLE_COLUMNS = ("success_rate", "answer_accuracy", "tool_call_validity", "truncation_rate",
-                 "mean_turns")
-
-
-def results_table(rows: dict[str, dict]) -> str:
-    """A fixed-width table: one row per evaluated model."""
-    def cell(value) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    lines = ["model    " + "  ".join(f"{c:>18}" for c in TABLE_COLUMNS)]
-    for label, metrics in rows.items():
-        cells = (f"{cell(metrics.get(c)):>18}" for c in TABLE_COLUMNS)
-        lines.append(f"{label:<9}" + "  ".join(cells))
-    return "\n".join(lines)
-
-
-def run_recipe(config: Config, world: World) -> dict[str, dict]:
-    """prepare -> eval teacher and student -> OPD -> eval the trained student -> table."""
-    config = prepare(config, world)
-    evaluating = bool(config.data.eval) and world.is_main
-    rows: dict[str, dict] = {}
-    if evaluating and config.eval.before:
-        if config.eval.teacher:
-            rows["teacher"] = evaluate_model(config, config.model.teacher, "model.teacher",
-                                             world.device)
-        rows["before"] = evaluate_model(config, config.model.student, "model.student",
-                                        world.device)
-    barrier()
-    final = train(config, world)
-    if final is None:  # stopped early to be requeued; the resumed run evaluates
-        return rows
-    if evaluating and config.eval.after:
-        rows["after"] = evaluate_model(config, final, "trained student", world.device)
-    if world.is_main and rows:
-        import json
-
-        (config.run_dir / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
-        print(results_table(rows), flush=True)
-    barrier()
-    return rows

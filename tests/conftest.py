@@ -6,9 +6,19 @@ config, `save_pretrained` to a temp dir and loaded back by path so the real load
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # Launchers and ranks the tests start import the tests' own plugins by name
+    # (prepare=tests.dist_scripts.world:prepare_tiny), as a user's plugin module on PYTHONPATH.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # A transcription of the chat template Qwen3 instruct models ship (from the project's shared
 # fixtures, copied so that a clone runs its tests wherever it lies).
@@ -30,7 +40,7 @@ def _corpus() -> list[str]:
     """Example lines plus the built-in tool schemas, so prompts with tools stay short."""
     import json
 
-    from opd.tools import builtin_registry
+    from worlds.toolcalc.tools import registry as builtin_registry
     return CORPUS + [json.dumps(schema) for schema in builtin_registry().schemas] * 20
 
 

@@ -9,7 +9,6 @@ unchanged on it: left padding, KV-cache calls, sampling, tools and rendering are
 
 from __future__ import annotations
 
-
 import torch
 
 

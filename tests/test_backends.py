@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from opd.backends import DistillModule, resolve_precision
-from opd.backends.memory import student_memory
 from opd.backends.deepspeed import read_json_config, zero3_config
+from opd.backends.memory import student_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,25 +136,33 @@ def save(model, path: Path, tokenizer=None) -> str:
 
 @pytest.fixture(scope="module")
 def toolcalc_tokenizer():
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
     return load_tokenizer(TOKENIZER_DIR)
 
 
 def test_vocabulary_padding_is_shared_and_mismatches_are_named(tmp_path, toolcalc_tokenizer):
-    from opd.teacher import VocabularyError, check_vocabulary
+    from opd.config import ModelConfig
+    from opd.errors import VocabularyError
+    from opd.inputs import check_vocabulary
 
     tokens = len(toolcalc_tokenizer)
-    student = tiny_model(vocab=tokens)
-    padded = tiny_model(vocab=tokens + 64, seed=1)
-    assert check_vocabulary(student, padded, toolcalc_tokenizer,
-                            save(padded, tmp_path / "padded", toolcalc_tokenizer)) == tokens
+    tokenizer_dir = tmp_path / "tokenizer"
+    toolcalc_tokenizer.save_pretrained(tokenizer_dir)
+    student = save(tiny_model(vocab=tokens), tmp_path / "student")
+    padded = save(tiny_model(vocab=tokens + 64, seed=1), tmp_path / "padded", toolcalc_tokenizer)
+    models = ModelConfig(student=student, teacher=padded, tokenizer=str(tokenizer_dir))
+    assert check_vocabulary(models, toolcalc_tokenizer) == tokens
 
-    small = tiny_model(vocab=tokens - 1, seed=1)
-    with pytest.raises(VocabularyError, match=r"the teacher's \(.*small\) is %d" % (tokens - 1)):
-        check_vocabulary(student, small, toolcalc_tokenizer, save(small, tmp_path / "small"))
+    small = save(tiny_model(vocab=tokens - 1, seed=1), tmp_path / "small")
+    with pytest.raises(VocabularyError, match=r"model.teacher: the vocabulary of .*small has "
+                                              r"%d entries" % (tokens - 1)):
+        check_vocabulary(ModelConfig(student=student, teacher=small,
+                                     tokenizer=str(tokenizer_dir)), toolcalc_tokenizer)
 
     from conftest import build_tokenizer
     other = build_tokenizer(toolcalc_tokenizer.chat_template)
-    other_dir = save(padded, tmp_path / "other", other)
-    with pytest.raises(VocabularyError, match=r"teacher's tokenizer in .*other differs"):
-        check_vocabulary(student, padded, toolcalc_tokenizer, other_dir)
+    other_dir = save(tiny_model(vocab=tokens + 64, seed=1), tmp_path / "other", other)
+    with pytest.raises(VocabularyError, match=r"model.teacher: the tokenizer in .*other differs "
+                                              r"from model.tokenizer \("):
+        check_vocabulary(ModelConfig(student=student, teacher=other_dir,
+                                     tokenizer=str(tokenizer_dir)), toolcalc_tokenizer)

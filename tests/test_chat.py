@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from conftest import build_tokenizer
 from transformers import GenerationConfig
 
-from conftest import build_tokenizer
 from opd.chat import ChatFormat, ChatTemplateError, stop_token_ids, tool_observation
 
 TOOLS = [{"type": "function", "function": {

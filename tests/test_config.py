@@ -100,7 +100,7 @@ def test_cross_field_rules(recipe):
                                           "rollout.max_total_len=2048"):
         load_config(recipe, None, ["train.micro_batch_tokens=100"])
     with pytest.raises(ConfigError, match="data.completions"):
-        load_config(recipe, None, ["loss.gkd_lambda=0.5"])
+        load_config(recipe, None, ["loss.off_policy_fraction=0.5"])
     with pytest.raises(ConfigError, match="teacher.offload_param only applies"):
         load_config(recipe, None, ["teacher.engine=replicated", "teacher.offload_param=cpu"])
     with pytest.raises(ConfigError, match="eval.every needs student.generation_gather=once"):

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from opd.chat import ChatFormat
-from opd.data import (DatasetError, completion_trajectory, load_jsonl, prompt_record,
-                      write_jsonl)
-from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor, builtin_registry
-from recipes.toolcalc.tasks import answer_text, generate_tasks, oracle_record
-from recipes.toolcalc.tokenizer import load_tokenizer
 from scripted_model import ScriptedPolicy
 
-TOOLS = builtin_registry().schemas
+from opd.chat import ChatFormat
+from opd.data import DatasetError, completion_trajectory, load_jsonl, prompt_record, write_jsonl
+from opd.rollout import RolloutConfig, rollout
+from opd.tools import ToolExecutor
+from worlds.toolcalc.tasks import answer_text, generate_tasks, oracle_record
+from worlds.toolcalc.tokenizer import load_tokenizer
+from worlds.toolcalc.tools import registry as toolcalc_registry
+
+TOOLS = toolcalc_registry().schemas
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "tools": TOOLS, "answer": 4}
 
 
@@ -27,7 +27,7 @@ def toolcalc_chat():
 
 @pytest.fixture(scope="module")
 def executor():
-    with ToolExecutor(builtin_registry(), timeout_s=5.0) as pool:
+    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
         yield pool
 
 

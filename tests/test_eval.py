@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from opd.chat import ChatFormat
-from opd.eval import evaluate, greedy_rollout_config, main, summarize
-from opd.tools import ToolExecutor, builtin_registry
-from recipes.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
-from recipes.toolcalc.tokenizer import load_tokenizer
 from scripted_model import ScriptedPolicy
 
+from opd.chat import ChatFormat
+from opd.config import RolloutConfig
+from opd.eval import evaluate, greedy, main, summarize
+from opd.tools import ToolExecutor
+from worlds.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
+from worlds.toolcalc.tokenizer import load_tokenizer
+from worlds.toolcalc.tools import registry as toolcalc_registry
+
 PREFIX = "<|im_start|>assistant\n"
+WORLD = ("--tools", "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer")
 
 
 def call_text(name: str, arguments: dict) -> str:
@@ -28,7 +31,7 @@ def chat():
 
 @pytest.fixture(scope="module")
 def executor():
-    with ToolExecutor(builtin_registry(), timeout_s=5.0) as pool:
+    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
         yield pool
 
 
@@ -40,7 +43,7 @@ def tasks():
 
 def run(chat, executor, tasks, scripts, **cfg):
     policy = ScriptedPolicy(chat.tokenizer, scripts, chat.tokenizer.eos_token_id, PREFIX)
-    cfg = greedy_rollout_config(max_new_tokens=64, max_total_len=1024, batch_size=3, **cfg)
+    cfg = greedy(RolloutConfig(max_new_tokens=64, max_total_len=1024, batch_size=3, **cfg))
     return evaluate(policy, chat, executor, [task_record(t) for t in tasks], check_answer, cfg)
 
 
@@ -107,7 +110,7 @@ def test_summarize_aggregates_like_a_naive_reference():
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    from recipes.toolcalc.models import TEST_SHAPE, build_model, save_model
+    from worlds.toolcalc.models import TEST_SHAPE, build_model, save_model
 
     tokenizer = load_tokenizer()
     return save_model(build_model(TEST_SHAPE, tokenizer, seed=0), tokenizer,
@@ -123,7 +126,7 @@ def data_file(tmp_path_factory):
 
 def test_cli_evaluates_a_saved_model_and_writes_eval_json(saved_model, data_file, tmp_path,
                                                           capsys):
-    report = main(["--model", str(saved_model), "--data", str(data_file), "--out",
+    report = main(["--model", str(saved_model), "--data", str(data_file), *WORLD, "--out",
                    str(tmp_path), "--limit", "4", "--max-new-tokens", "6", "--batch-size", "2"])
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written == json.loads(json.dumps(report))
@@ -134,19 +137,20 @@ def test_cli_evaluates_a_saved_model_and_writes_eval_json(saved_model, data_file
 
 
 def test_cli_greedy_eval_does_not_depend_on_the_seed(saved_model, data_file, tmp_path):
-    args = ["--model", str(saved_model), "--data", str(data_file), "--max-new-tokens", "6"]
+    args = ["--model", str(saved_model), "--data", str(data_file), *WORLD, "--max-new-tokens", "6"]
     first = main([*args, "--seed", "1"])["metrics"]
     second = main([*args, "--seed", "2"])["metrics"]
     assert first == second
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--model": "/nonexistent/model"}, "Model path /nonexistent/model is not a directory."),
-    ({"--checker": "recipes.toolcalc.tasks:nope"}, "--checker 'recipes.toolcalc.tasks:nope'"),
+    ({"--model": "/nonexistent/model"}, "--model: /nonexistent/model is not a directory."),
+    ({"--checker": "worlds.toolcalc.tasks:nope"}, "eval.checker 'worlds.toolcalc.tasks:nope'"),
     ({"--max-turns": "0"}, "rollout.max_turns"),
 ])
 def test_cli_user_errors_are_one_sentence(saved_model, data_file, change, message):
-    args = {"--model": str(saved_model), "--data": str(data_file), **change}
+    args = {"--model": str(saved_model), "--data": str(data_file), "--tools": WORLD[1],
+            "--checker": WORLD[3], **change}
     with pytest.raises(SystemExit) as exit_info:
         main([item for pair in args.items() for item in pair])
     assert message in str(exit_info.value) and "\n" not in str(exit_info.value)
@@ -156,5 +160,5 @@ def test_cli_names_the_bad_dataset_line(saved_model, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(task_record(generate_tasks(1, 0)[0])) + "\n{oops\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", str(saved_model), "--data", str(path)])
+        main(["--model", str(saved_model), "--data", str(path), *WORLD])
     assert f"{path} line 2 is not valid JSON" in str(exit_info.value)

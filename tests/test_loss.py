@@ -3,10 +3,10 @@
 import math
 
 import pytest
+import reference_loss
 import torch
 
 from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
-import reference_loss
 
 DIRECTIONS = ["forward_kl", "reverse_kl"]
 

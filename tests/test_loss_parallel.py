@@ -10,11 +10,11 @@ import os
 import socket
 
 import pytest
+import reference_loss
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import reference_loss
 from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
 
 WORLD = 2

@@ -28,7 +28,6 @@ def _free_port() -> int:
 
 
 def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
     from dist_scripts.world import build_world
 
     recipe = build_world(tmp_path / "world")

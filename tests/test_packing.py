@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import build_tiny_model
+
 from opd.packing import first_fit_decreasing, pack_trajectories, pack_varlen
 from opd.rollout import AgentTrajectory
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scripted_model import ScriptedPolicy
 
 from opd.chat import ChatFormat, tool_observation
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, collect_trajectory, rollout
-from opd.tools import ToolExecutor, builtin_registry, parse_hermes_tool_calls
-from scripted_model import ScriptedPolicy
+from opd.tools import ToolExecutor, parse_hermes_tool_calls
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 TEMPLATE_KWARGS = {"enable_thinking": False}
 
@@ -29,13 +30,13 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def executor():
-    with ToolExecutor(builtin_registry(), timeout_s=5.0) as pool:
+    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def tools():
-    return builtin_registry().schemas
+    return toolcalc_registry().schemas
 
 
 @pytest.fixture()
@@ -160,10 +161,11 @@ def test_bad_limits_raise_like_the_seed(scripted, tools, executor):
 def tool_calling_model(compact_tokenizer, tmp_path_factory):
     """A tiny real model, briefly trained to emit calculator calls, so rollouts use tools."""
     from conftest import build_tiny_model
+
     from opd.rollout import AgentTrajectory
     model = build_tiny_model(compact_tokenizer, tmp_path_factory.mktemp("caller"), hidden_size=48)
     chat = ChatFormat(compact_tokenizer, TEMPLATE_KWARGS)
-    tools = builtin_registry().schemas
+    tools = toolcalc_registry().schemas
     stop = compact_tokenizer.eos_token_id
     examples = []
     for a in range(2, 10):

@@ -91,7 +91,6 @@ def test_bad_slurm_settings_stop_with_one_sentence_naming_the_key(override, mess
 
 def _tiny_run(root: Path, steps: int) -> tuple[Path, Path, list[str]]:
     """The tiny recipe, a one-node cluster file for the local Slurm, and the overrides."""
-    sys.path.insert(0, str(REPO / "tests"))
     from dist_scripts.world import build_world
 
     recipe = build_world(root / "world")

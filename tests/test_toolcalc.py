@@ -10,11 +10,18 @@ import re
 import pytest
 
 from opd.data import load_jsonl
-from opd.tools import ToolCall, ToolExecutor, builtin_registry, parse_hermes_tool_calls
-from opd.toy_tools import LOOKUP_TABLE
-from recipes.toolcalc.tasks import (FAMILIES, answer_text, check_answer, generate_tasks,
-                                    oracle_record, task_record)
-from recipes.toolcalc.tokenizer import TOKENIZER_DIR, build_tokenizer, load_tokenizer
+from opd.tools import ToolCall, ToolExecutor, parse_hermes_tool_calls
+from worlds.toolcalc.tasks import (
+    FAMILIES,
+    answer_text,
+    check_answer,
+    generate_tasks,
+    oracle_record,
+    task_record,
+)
+from worlds.toolcalc.tokenizer import TOKENIZER_DIR, build_tokenizer, load_tokenizer
+from worlds.toolcalc.tools import LOOKUP_TABLE
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 # Naive references, written out independently of the tools' code.
 METRES = {"m": 1, "km": 1000, "cm": 0.01, "mm": 0.001, "mi": 1609.344, "ft": 0.3048, "in": 0.0254}
@@ -89,7 +96,7 @@ def test_gold_answers_match_a_naive_recomputation_from_the_question():
 def test_oracle_tool_turns_hold_what_the_sandboxed_tools_return():
     tasks = [t for t in generate_tasks(60, seed=31) if t.steps]
     steps = [step for task in tasks for step in task.steps]
-    with ToolExecutor(builtin_registry(), timeout_s=5.0) as executor:
+    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as executor:
         results = executor.run_batch([[ToolCall(s.name, s.arguments)] for s in steps])
     assert [r[0].status for r in results] == ["ok"] * len(steps)
     assert [r[0].content for r in results] == [s.content for s in steps]
@@ -99,7 +106,7 @@ def test_records_are_openai_style_dataset_lines(tmp_path):
     task = next(t for t in generate_tasks(20, seed=41) if t.family == "two_hop")
     prompt, oracle = task_record(task), oracle_record(task)
     assert prompt["messages"] == [{"role": "user", "content": task.question}]
-    assert prompt["tools"] == builtin_registry().schemas and prompt["answer"] == task.answer
+    assert prompt["tools"] == toolcalc_registry().schemas and prompt["answer"] == task.answer
     roles = [m["role"] for m in oracle["messages"]]
     assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert oracle["messages"][-1]["content"] == answer_text(task.answer)
@@ -172,7 +179,7 @@ def test_numbers_are_two_digit_tokens_and_tool_tags_survive_skipping_specials(to
 
 
 def test_template_renders_tools_calls_and_responses_hermes_style(tokenizer):
-    tools = builtin_registry().schemas
+    tools = toolcalc_registry().schemas
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "When was Ixmoor founded?"},
@@ -204,7 +211,7 @@ def test_template_renders_tools_calls_and_responses_hermes_style(tokenizer):
 def test_test_mode_prepare_runs_end_to_end_and_is_cached(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipes.toolcalc.prepare import TEST_CONFIG, cache_key, prepare
+    from worlds.toolcalc.prepare import TEST_CONFIG, cache_key, prepare
 
     prepared = prepare(TEST_CONFIG, tmp_path)
     assert prepared.root == tmp_path / "toolcalc" / cache_key(TEST_CONFIG)
@@ -239,7 +246,7 @@ def test_test_mode_prepare_runs_end_to_end_and_is_cached(tmp_path):
 def test_cache_key_follows_the_parameters():
     from dataclasses import replace
 
-    from recipes.toolcalc.prepare import TEST_CONFIG, cache_key
+    from worlds.toolcalc.prepare import TEST_CONFIG, cache_key
 
     assert cache_key(TEST_CONFIG) == cache_key(replace(TEST_CONFIG))
     assert cache_key(TEST_CONFIG) != cache_key(replace(TEST_CONFIG, teacher_steps=4))
@@ -247,7 +254,7 @@ def test_cache_key_follows_the_parameters():
 
 @pytest.mark.slow
 def test_full_prepare_gives_a_teacher_worth_distilling(tmp_path):
-    from recipes.toolcalc.prepare import PrepareConfig, prepare
+    from worlds.toolcalc.prepare import PrepareConfig, prepare
 
     report = prepare(PrepareConfig(), tmp_path).report
     teacher = report["teacher"]["heldout"]["success_rate"]

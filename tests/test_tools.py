@@ -13,20 +13,36 @@ import pytest
 import tool_fixtures
 
 from opd.tools import (
-    Tool, ToolCall, ToolCallCounts, ToolExecutor, ToolRegistry, ToolResult, builtin_registry,
-    get_parser, parse_hermes_tool_calls, register_parser,
+    Tool,
+    ToolCall,
+    ToolCallCounts,
+    ToolExecutor,
+    ToolRegistry,
+    ToolResult,
+    get_parser,
+    parse_hermes_tool_calls,
+    register_parser,
 )
-from opd.toy_tools import (
-    LOOKUP_ATTRIBUTES, LOOKUP_TABLE, TEMPERATURE_UNITS, UNIT_DIMENSIONS, UNIT_FACTORS, calculator,
-    convert, convert_units, lookup, round_result,
+from worlds.toolcalc.tools import (
+    LOOKUP_ATTRIBUTES,
+    LOOKUP_TABLE,
+    TEMPERATURE_UNITS,
+    UNIT_DIMENSIONS,
+    UNIT_FACTORS,
+    calculator,
+    convert,
+    convert_units,
+    lookup,
+    round_result,
 )
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 TIMEOUT_S = 1.5
 
 
 def _registry() -> ToolRegistry:
     return ToolRegistry([Tool(schema, fn) for schema, fn in tool_fixtures.TEST_TOOLS]
-                        + list(builtin_registry().tools))
+                        + list(toolcalc_registry().tools))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +115,7 @@ def test_hermes_without_calls_and_parser_registry():
     assert get_parser("plain_for_test")("hi")[0].arguments == {"text": "hi"}
     with pytest.raises(ValueError, match="already registered"):
         register_parser("plain_for_test", lambda text: [])
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'.*hermes"):
+    with pytest.raises(ValueError, match="'mistral' is not a registered tool-call parser.*hermes"):
         get_parser("mistral")
 
 
@@ -419,7 +435,7 @@ def test_lookup_table_and_tool():
 
 
 def test_builtin_schemas_enumerate_the_world(executor):
-    schemas = {s["function"]["name"]: s["function"] for s in builtin_registry().schemas}
+    schemas = {s["function"]["name"]: s["function"] for s in toolcalc_registry().schemas}
     assert sorted(schemas) == ["calculator", "convert_units", "lookup"]
     units = schemas["convert_units"]["parameters"]["properties"]["from_unit"]["enum"]
     assert units == list(UNIT_DIMENSIONS) and set(UNIT_DIMENSIONS) >= set(TEMPERATURE_UNITS)

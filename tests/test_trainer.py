@@ -21,10 +21,9 @@ from opd import checkpoint
 from opd.config import load_config
 from opd.dist import World
 from opd.metrics import read_metrics
-from opd.trainer import learning_rate, off_policy, step_records
+from opd.steps import learning_rate, off_policy, step_records
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 from dist_scripts.world import build_world  # noqa: E402
 
 TIMEOUT_S = 600
@@ -46,16 +45,16 @@ def config_with(world_dir: Path, *overrides: str):
 def test_learning_rate_warms_up_then_decays_to_the_floor(world_dir):
     config = config_with(world_dir, "optim.lr=1.0", "optim.warmup_steps=4", "train.steps=20",
                          "optim.min_lr_ratio=0.1")
-    lrs = [learning_rate(step, config) for step in range(1, 21)]
+    lrs = [learning_rate(step, config.optim, config.train.steps) for step in range(1, 21)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # monotone decay after warmup
     assert lrs[-1] == pytest.approx(0.1)
     middle = 4 + 8  # half way through the decay: cosine is at the mean of peak and floor
     assert lrs[middle - 1] == pytest.approx(0.55)
     linear = replace(config, optim=replace(config.optim, schedule="linear"))
-    assert learning_rate(12, linear) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert learning_rate(12, linear.optim, 20) == pytest.approx(0.1 + 0.9 * 0.5)
     constant = replace(config, optim=replace(config.optim, schedule="constant"))
-    assert learning_rate(20, constant) == 1.0
+    assert learning_rate(20, constant.optim, 20) == 1.0
 
 
 def test_prompts_are_dealt_to_ranks_without_overlap_in_a_seeded_epoch_order(world_dir):
@@ -64,7 +63,8 @@ def test_prompts_are_dealt_to_ranks_without_overlap_in_a_seeded_epoch_order(worl
     worlds = [World(rank, 2, rank, 2, None) for rank in range(2)]
 
     def dealt(step, cfg=config):
-        shares = [[r["id"] for r in step_records(records, step, cfg, w, {})] for w in worlds]
+        shares = [[r["id"] for r in step_records(records, step, cfg, w.rank, w.world_size, {})]
+                  for w in worlds]
         assert [len(s) for s in shares] == [3, 2]  # round-robin: rank 0 gets the odd one
         assert not set(shares[0]) & set(shares[1])
         return shares[0] + shares[1]
@@ -76,8 +76,8 @@ def test_prompts_are_dealt_to_ranks_without_overlap_in_a_seeded_epoch_order(worl
     assert dealt(1, replace(config, seed=1)) != dealt(1)
 
 
-def test_gkd_lambda_is_the_fraction_of_off_policy_steps(world_dir):
-    config = config_with(world_dir, "loss.gkd_lambda=0.25", "train.steps=2000")
+def test_off_policy_fraction_is_the_fraction_of_off_policy_steps(world_dir):
+    config = config_with(world_dir, "loss.off_policy_fraction=0.25", "train.steps=2000")
     fraction = sum(off_policy(config, step) for step in range(1, 2001)) / 2000
     assert abs(fraction - 0.25) < 0.04
     assert not any(off_policy(config_with(world_dir), step) for step in range(1, 100))
@@ -199,7 +199,7 @@ COMPARED = ("loss", "grad_norm", "lr", "target_tokens", "tokens", "conversations
 def test_resumed_run_repeats_the_uninterrupted_one(world_dir, tmp_path, backend, launcher):
     """4 steps straight vs 2 steps + resume (torchrun) for 2 more: the same metrics to 1e-6."""
     common = ["--recipe", str(world_dir / "recipe.yaml"), "train.steps=4", "checkpoint.every=2",
-              "checkpoint.keep=3", "loss.gkd_lambda=0.5", "rollout.temperature=2.0",
+              "checkpoint.keep=3", "loss.off_policy_fraction=0.5", "rollout.temperature=2.0",
               f"student.backend={backend}", "teacher.engine=replicated", "eval.every=0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(launcher, "launch/train.py", *common, f"logging.run_dir={straight}")

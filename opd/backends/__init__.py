@@ -15,9 +15,16 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from opd.errors import MissingFileError
+
+if TYPE_CHECKING:
+    from opd.config import OptimConfig, StudentConfig
+    from opd.dist import World
 
 # (hidden_NH, weight_VH, bias_V | None) -> (loss_sum, target_count), both 0-d tensors
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -80,8 +87,9 @@ class StudentEngine(ABC):
         """Accumulate gradients of `loss` (already normalised by the caller)."""
 
     @abstractmethod
-    def step(self, lr: float) -> float:
-        """Clip, apply the accumulated gradients at learning rate `lr`; returns the grad norm."""
+    def step(self, lr: float, skip: bool = False) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradients at learning rate `lr`, unless their global
+        norm is not finite or `skip` is set; then discard them. Returns (grad norm, applied)."""
 
     @abstractmethod
     def generation_context(self, gather: bool) -> AbstractContextManager:
@@ -104,13 +112,13 @@ class StudentEngine(ABC):
         self.hf_model.train()
 
 
-def load_student_model(config, world) -> tuple[nn.Module, Precision]:
+def load_student_model(model_path: str, student: StudentConfig,
+                       world: World) -> tuple[nn.Module, Precision]:
     """The student in fp32 (the engines keep fp32 masters and cast to the compute dtype)."""
-    precision = resolve_precision(config.student.precision, config.student.attn_implementation,
-                                  world.device)
-    model = load_causal_lm(config.model.student, torch.float32, precision.attn_implementation,
+    precision = resolve_precision(student.precision, student.attn_implementation, world.device)
+    model = load_causal_lm(model_path, torch.float32, precision.attn_implementation,
                            "model.student")
-    if config.student.gradient_checkpointing:
+    if student.gradient_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     return model, precision
 
@@ -149,7 +157,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, key:
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"{key}: {path} is not a Hugging Face model directory "
+        raise MissingFileError(f"{key}: {path} is not a Hugging Face model directory "
                                 "(no config.json); run the recipe's prepare step or fix the path.")
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                 attn_implementation=attn_implementation)
@@ -173,9 +181,11 @@ def decoder_layers(model: nn.Module) -> Iterator[nn.Module]:
     return iter(layers)
 
 
-def build_student(config, world) -> StudentEngine:
-    if config.student.backend == "deepspeed":
+def build_student(model_path: str, student: StudentConfig, optim: OptimConfig,
+                  world: World) -> StudentEngine:
+    """The student engine `student.backend` names, loaded from `model_path` (model.student)."""
+    if student.backend == "deepspeed":
         from opd.backends.deepspeed import DeepSpeedStudent
-        return DeepSpeedStudent(config, world)
+        return DeepSpeedStudent(model_path, student, optim, world)
     from opd.backends.fsdp import FSDPStudent
-    return FSDPStudent(config, world)
+    return FSDPStudent(model_path, student, optim, world)

@@ -24,10 +24,23 @@ from pathlib import Path
 
 import torch
 
-from opd.backends import DistillModule, GenerationModel, StudentEngine, adamw_param_groups, \
-    load_student_model, save_hf, set_lr
-from opd.config import ConfigError
-from opd.dist import init_deepspeed_comm
+from opd.backends import (
+    DistillModule,
+    GenerationModel,
+    StudentEngine,
+    adamw_param_groups,
+    load_student_model,
+    save_hf,
+    set_lr,
+)
+from opd.backends.deepspeed_internals import (
+    consolidated_state_dict,
+    step_was_skipped,
+    without_zero3_hooks,
+)
+from opd.config import OptimConfig, StudentConfig
+from opd.dist import World, init_deepspeed_comm
+from opd.errors import CheckpointError, ConfigError, MissingFileError
 
 # Keys our config fills in; a JSON file that sets them would say the same thing twice.
 _FILLED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -39,7 +52,7 @@ _FILLED_ZERO_KEYS = ("stage", "offload_optimizer", "offload_param")
 def read_json_config(path: str, key: str) -> dict:
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"{key}: DeepSpeed config {path} does not exist.")
+        raise MissingFileError(f"{key}: DeepSpeed config {path} does not exist.")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as error:
@@ -75,27 +88,26 @@ def zero3_config(base: dict, *, world_size: int, bf16: bool, offload_optimizer: 
 
 
 class DeepSpeedStudent(StudentEngine):
-    def __init__(self, config, world):
+    def __init__(self, model_path: str, student: StudentConfig, optim: OptimConfig,
+                 world: World):
         import deepspeed
 
         init_deepspeed_comm(world)
         self.world = world
         # Loaded in fp32: DeepSpeed keeps the fp32 master copy and casts to bf16 itself.
-        self.hf_model, precision = load_student_model(config, world)
+        self.hf_model, precision = load_student_model(model_path, student, world)
         ds_config = zero3_config(
-            read_json_config(config.student.deepspeed_config, "student.deepspeed_config"),
+            read_json_config(student.deepspeed_config, "student.deepspeed_config"),
             world_size=world.world_size, bf16=precision.dtype == torch.bfloat16,
-            offload_optimizer=config.student.offload_optimizer,
-            offload_param=config.student.offload_param)
-        ds_config.update(gradient_clipping=config.optim.grad_clip,
+            offload_optimizer=student.offload_optimizer, offload_param=student.offload_param)
+        ds_config.update(gradient_clipping=optim.grad_clip,
                          managed_gradient_accumulation=False)
         ds_config.setdefault("zero_allow_untested_optimizer", True)
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         root = DistillModule(self.hf_model)
-        groups = adamw_param_groups(root, config.optim.weight_decay)
-        optim_kwargs = dict(lr=config.optim.lr, betas=tuple(config.optim.betas),
-                            eps=config.optim.eps)
-        if config.student.offload_optimizer == "cpu" and world.device.type == "cuda":
+        groups = adamw_param_groups(root, optim.weight_decay)
+        optim_kwargs = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
+        if student.offload_optimizer == "cpu" and world.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **optim_kwargs)
         else:
@@ -115,11 +127,15 @@ class DeepSpeedStudent(StudentEngine):
     def backward(self, loss):
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> tuple[float, bool]:
+        # ZeRO-3 itself discards a step whose gradient norm is not finite (its `overflow`); a
+        # non-finite loss has non-finite gradients, so `skip` needs nothing more here. Should
+        # a step be applied anyway, the caller sees applied=True and stops the run.
         set_lr(self.optimizer, lr)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, not step_was_skipped(self.optimizer)
 
     @contextmanager
     def generation_context(self, gather: bool):
@@ -128,13 +144,9 @@ class DeepSpeedStudent(StudentEngine):
             return
         import deepspeed
 
-        offload = self.optimizer.parameter_offload
-        with deepspeed.zero.GatheredParameters(list(self.root.parameters())):
-            _detach_zero3_hooks(offload)
-            try:
-                yield self.hf_model
-            finally:
-                offload._register_deepspeed_module(offload.module)
+        with deepspeed.zero.GatheredParameters(list(self.root.parameters())), \
+                without_zero3_hooks(self.optimizer):
+            yield self.hf_model
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False)
@@ -143,20 +155,10 @@ class DeepSpeedStudent(StudentEngine):
         path, _ = self.engine.load_checkpoint(str(directory), tag="engine",
                                               load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"No DeepSpeed checkpoint under {directory}.")
+            raise CheckpointError(f"No DeepSpeed checkpoint under {directory}.")
 
     def export_hf(self, directory: Path) -> None:
-        state = self.engine._zero3_consolidated_16bit_state_dict()
+        state = consolidated_state_dict(self.engine)
         if self.world.is_main:
             save_hf(self.hf_model, state, directory)
 
-
-def _detach_zero3_hooks(offload) -> None:
-    """Remove ZeRO-3's per-module fetch/release hooks (re-added by `_register_deepspeed_module`)."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-
-    for param in iter_params(offload.module, recurse=True):
-        param.ds_active_sub_modules.clear()
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []

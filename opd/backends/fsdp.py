@@ -10,26 +10,43 @@ for the rollout phase, so decoding a token runs no collective at all.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from opd.backends import DistillModule, GenerationModel, StudentEngine, adamw_param_groups, \
-    decoder_layers, load_student_model, save_hf, set_lr
+from opd.backends import (
+    DistillModule,
+    GenerationModel,
+    StudentEngine,
+    adamw_param_groups,
+    decoder_layers,
+    load_student_model,
+    save_hf,
+    set_lr,
+)
+from opd.config import OptimConfig, StudentConfig
+from opd.dist import World
+from opd.errors import CheckpointError
 
 
 class FSDPStudent(StudentEngine):
-    def __init__(self, config, world):
+    def __init__(self, model_path: str, student: StudentConfig, optim: OptimConfig,
+                 world: World):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, \
-            fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         self.world = world
-        self.hf_model, precision = load_student_model(config, world)
+        self.hf_model, precision = load_student_model(model_path, student, world)
         mesh = init_device_mesh(world.device.type, (world.world_size,))
         # On a CPU-only host everything already lives in host memory.
-        offload = "cpu" in (config.student.offload_optimizer, config.student.offload_param) \
+        offload = "cpu" in (student.offload_optimizer, student.offload_param) \
             and world.device.type == "cuda"
         shard_kwargs = dict(
             mesh=mesh,
@@ -40,9 +57,9 @@ class FSDPStudent(StudentEngine):
             fully_shard(layer, **shard_kwargs)
         self.root = fully_shard(DistillModule(self.hf_model), **shard_kwargs)
         self.optimizer = torch.optim.AdamW(
-            adamw_param_groups(self.root, config.optim.weight_decay), lr=config.optim.lr,
-            betas=tuple(config.optim.betas), eps=config.optim.eps, foreach=False)
-        self.grad_clip = config.optim.grad_clip
+            adamw_param_groups(self.root, optim.weight_decay), lr=optim.lr,
+            betas=tuple(optim.betas), eps=optim.eps, foreach=False)
+        self.grad_clip = optim.grad_clip
         # FSDP elects its root at the first forward: run one through the real root now, so a
         # rollout that calls the layers directly cannot elect a layer.
         with torch.no_grad():
@@ -56,14 +73,16 @@ class FSDPStudent(StudentEngine):
     def backward(self, loss):
         loss.backward()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> tuple[float, bool]:
         set_lr(self.optimizer, lr)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.root.parameters(), max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        applied = not skip and math.isfinite(norm)
+        if applied:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm, applied
 
     @contextmanager
     def generation_context(self, gather: bool):
@@ -99,7 +118,7 @@ class FSDPStudent(StudentEngine):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if not (directory / "fsdp").is_dir():
-            raise FileNotFoundError(f"No FSDP checkpoint under {directory}.")
+            raise CheckpointError(f"No FSDP checkpoint under {directory}.")
         model_state, optim_state = self._state()
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(directory / "fsdp"))

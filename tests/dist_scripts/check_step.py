@@ -20,25 +20,25 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as launch/train.py does
 
-import torch  # noqa: E402
+import torch
 
-from opd.config import load_config  # noqa: E402
-from opd.dist import barrier, init_world, shutdown  # noqa: E402
+from opd.config import load_config
+from opd.dist import barrier, init_world, shutdown
 
 
 def same_rollouts(run) -> bool:
-    from opd.rollout import RolloutConfig, rollout
     from opd.dist import all_gather_objects, lockstep
+    from opd.rollout import RolloutConfig, rollout
 
-    prompts = run.prompts[run.world.rank::run.world.world_size][:3 - run.world.rank]
+    prompts = run.inputs.prompts[run.world.rank::run.world.world_size][:3 - run.world.rank]
     cfg = RolloutConfig(max_turns=2, max_new_tokens=8, max_total_len=256, batch_size=2)
     with run.student.generation_context(True) as model:
-        once = rollout(model, run.chat, run.executor, prompts, cfg, seed=5)
+        once = rollout(model, run.inputs.chat, run.executor, prompts, cfg, seed=5)
     with run.student.generation_context(False) as model:
-        stepped = rollout(model, run.chat, run.executor, prompts, cfg, seed=5, sync=lockstep())
+        stepped = rollout(model, run.inputs.chat, run.executor, prompts, cfg, seed=5,
+                          sync=lockstep())
     equal = [a.input_ids == b.input_ids and a.assistant_mask == b.assistant_mask
              for a, b in zip(once, stepped)]
     return all(all(flags) for flags in all_gather_objects(equal))
@@ -71,17 +71,21 @@ def reference_step(config, trajectories, lr: float) -> tuple[float, float, torch
 def main() -> None:
     world_dir, out_path, overrides = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     from opd.data import completion_trajectory, load_jsonl
-    from opd.trainer import learning_rate, optimize, setup, train
+    from opd.inputs import load_inputs
+    from opd.plugins import resolve_plugins
+    from opd.steps import learning_rate
+    from opd.trainer import optimize, start, train
 
     config = load_config(world_dir / "recipe.yaml", None, overrides)
     world = init_world("cpu", "gloo", 1)
     check = replace(config, optim=replace(config.optim, eps=1.0, grad_clip=0.0,
                                           schedule="constant", warmup_steps=0),
                     checkpoint=replace(config.checkpoint, resume="never"))
-    run = setup(check, world)
+    plugins = resolve_plugins(check)
+    run = start(check, plugins, load_inputs(check), world)
     figures = {"same_rollouts": same_rollouts(run)}
 
-    everyone = [completion_trajectory(run.chat, r["messages"], r.get("tools"))
+    everyone = [completion_trajectory(run.inputs.chat, r["messages"], r.get("tools"))
                 for r in load_jsonl(world_dir / "completions.jsonl")[:6]]
     mine = everyone[:4] if world.rank == 0 else everyone[4:6]
     # A budget of the longest conversation: rank 0's four need several micro-batches.
@@ -95,7 +99,8 @@ def main() -> None:
         if world.is_main:
             from transformers import AutoModelForCausalLM
 
-            ref_loss, ref_norm, reference = reference_step(check, everyone, learning_rate(1, check))
+            ref_loss, ref_norm, reference = reference_step(
+                check, everyone, learning_rate(1, check.optim, check.train.steps))
             trained = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
             initial = AutoModelForCausalLM.from_pretrained(check.model.student, dtype=torch.float32)
             expected = dict(reference.named_parameters())
@@ -112,7 +117,7 @@ def main() -> None:
     run.executor.close()
     run.log.close()
 
-    final = train(config, world)
+    final = train(config, plugins, load_inputs(config), world)
     if world.is_main:
         figures["final"] = str(final)
         out_path.write_text(json.dumps(figures, indent=2))

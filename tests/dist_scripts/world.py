@@ -14,8 +14,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 STUDENT_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, intermediate_size=64)
@@ -30,9 +28,9 @@ def build_world(root: Path, *, num_tasks: int = 16) -> Path:
     import torch
 
     from opd.data import write_jsonl
-    from recipes.toolcalc.models import ModelShape, build_model, save_model
-    from recipes.toolcalc.tasks import generate_tasks, oracle_record, task_record
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+    from worlds.toolcalc.models import ModelShape, build_model, save_model
+    from worlds.toolcalc.tasks import generate_tasks, oracle_record, task_record
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 
     torch.set_num_threads(1)
     root.mkdir(parents=True, exist_ok=True)
@@ -52,13 +50,15 @@ def build_world(root: Path, *, num_tasks: int = 16) -> Path:
                  "completions": str(root / "completions.jsonl"),
                  "eval": str(root / "prompts.jsonl")},
         "rollout": {"max_turns": 2, "max_new_tokens": 12, "max_total_len": 256, "batch_size": 4},
-        "tools": {"num_workers": 1, "timeout_s": 5.0},
+        "tools": {"registry": "worlds.toolcalc.tools:registry", "num_workers": 1,
+                  "timeout_s": 5.0},
         "optim": {"lr": 1e-2, "warmup_steps": 1, "schedule": "cosine"},
         "train": {"steps": 2, "prompts_per_step": 4, "micro_batch_tokens": 256},
         "student": {"deepspeed_config": str(root / "zero3.json")},
         "teacher": {"deepspeed_config": str(root / "zero3.json")},
         "logging": {"run_dir": str(root / "run"), "wandb_mode": "disabled", "progress": False},
-        "eval": {"before": False, "after": False, "every": 2, "limit": 4},
+        "eval": {"before": False, "after": False, "every": 2, "limit": 4,
+                 "checker": "worlds.toolcalc.tasks:check_answer"},
     }
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -71,5 +71,5 @@ if __name__ == "__main__":
 
 def prepare_tiny(build: bool = True):
     """The toolcalc prepare step in its test configuration (seconds, not minutes)."""
-    from recipes.toolcalc.prepare import TEST_CONFIG, prepare
+    from worlds.toolcalc.prepare import TEST_CONFIG, prepare
     return prepare(TEST_CONFIG, build=build)

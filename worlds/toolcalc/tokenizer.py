@@ -2,7 +2,7 @@
 
 Built deterministically from the seeded task generator and saved as an ordinary Hugging Face
 tokenizer directory (`PreTrainedTokenizerFast`, chat template included), committed next to this
-file; `python -m recipes.toolcalc.tokenizer` rebuilds it.
+file; `python -m worlds.toolcalc.tokenizer` rebuilds it.
 
 Pre-tokenisation cuts numbers into chunks of two digits and does not split at spaces. Two-digit
 chunks (each one token: every chunk is in the corpus) are what a tiny model copies best: single
@@ -47,7 +47,7 @@ def corpus(size: int = CORPUS_SIZE, seed: int = CORPUS_SEED) -> list[str]:
     """Oracle conversations of the generator, rendered by the chat template."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from recipes.toolcalc.tasks import generate_tasks, oracle_record
+    from worlds.toolcalc.tasks import generate_tasks, oracle_record
 
     records = [oracle_record(task) for task in generate_tasks(size, seed)]
     template = chat_template()

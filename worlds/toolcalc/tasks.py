@@ -18,8 +18,13 @@ import random
 import re
 from dataclasses import dataclass
 
-from opd.toy_tools import (LOOKUP_TABLE, TEMPERATURE_UNITS, TOOL_FUNCTIONS, TOOL_SCHEMAS,
-                           UNIT_FACTORS)
+from worlds.toolcalc.tools import (
+    LOOKUP_TABLE,
+    TEMPERATURE_UNITS,
+    TOOL_FUNCTIONS,
+    TOOL_SCHEMAS,
+    UNIT_FACTORS,
+)
 
 FAMILIES = ("arithmetic", "conversion", "lookup", "two_hop", "direct")
 FAMILY_WEIGHTS = (0.2, 0.2, 0.2, 0.25, 0.15)

@@ -1,7 +1,7 @@
 """Prepare the toolcalc world once per machine: data, tokenizer, a teacher that solves it, a
 student that starts clearly worse.
 
-`python -m recipes.toolcalc.prepare` (or `prepare()` from the trainer) writes, under
+`python -m worlds.toolcalc.prepare` (or `prepare()` from the trainer) writes, under
 `$OPD_CACHE_DIR` (default ~/.cache/opd-recipes)/toolcalc/<key>/:
 
     tokenizer/  teacher/  student/      Hugging Face directories (from_pretrained)
@@ -30,14 +30,34 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from recipes.toolcalc.models import STUDENT, TEACHER, TEST_SHAPE, ModelShape
+import torch
+from tqdm import tqdm
+
+from opd.chat import ChatFormat
+from opd.config import RolloutConfig
+from opd.data import completion_trajectory, load_jsonl, write_jsonl
+from opd.eval import evaluate, greedy
+from opd.tools import ToolExecutor
+from worlds.toolcalc.models import (
+    STUDENT,
+    TEACHER,
+    TEST_SHAPE,
+    ModelShape,
+    build_model,
+    count_parameters,
+    save_model,
+)
+from worlds.toolcalc.sft import sft
+from worlds.toolcalc.tasks import check_answer, generate_tasks, oracle_record, task_record
+from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 RECIPE_DIR = Path(__file__).parent
 REPO_DIR = RECIPE_DIR.parents[1]
 # Code whose edits change what prepare builds; their text is part of the cache key.
 KEYED_FILES = (*sorted(RECIPE_DIR.glob("*.py")), RECIPE_DIR / "chat_template.jinja",
                *sorted((RECIPE_DIR / "tokenizer").glob("*")),
-               *(REPO_DIR / "opd" / name for name in ("toy_tools.py", "data.py", "chat.py")))
+               *(REPO_DIR / "opd" / name for name in ("data.py", "chat.py")))
 
 
 @dataclass(frozen=True)
@@ -141,7 +161,6 @@ def prepare(cfg: PrepareConfig = PrepareConfig(), root: str | Path | None = None
 
 
 def _build(cfg: PrepareConfig, out: Prepared) -> None:
-    import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -152,12 +171,7 @@ def _build(cfg: PrepareConfig, out: Prepared) -> None:
 
 
 def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
-    from tqdm import tqdm
 
-    from opd.chat import ChatFormat
-    from opd.data import completion_trajectory, load_jsonl, write_jsonl
-    from recipes.toolcalc.tasks import generate_tasks, oracle_record, task_record
-    from recipes.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 
     started = time.perf_counter()
     shutil.copytree(TOKENIZER_DIR, out.tokenizer)
@@ -183,8 +197,6 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
 
 
 def _prepare_teacher(cfg, tokenizer, conversations, evaluator, out: Prepared) -> dict:
-    from recipes.toolcalc.models import build_model, count_parameters, save_model
-    from recipes.toolcalc.sft import sft
 
     started = time.perf_counter()
     model = build_model(cfg.teacher, tokenizer, cfg.seed)
@@ -209,8 +221,6 @@ def _prepare_teacher(cfg, tokenizer, conversations, evaluator, out: Prepared) ->
 
 
 def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared) -> dict:
-    from recipes.toolcalc.models import build_model, count_parameters, save_model
-    from recipes.toolcalc.sft import sft
 
     started = time.perf_counter()
     model = build_model(cfg.student, tokenizer, cfg.seed + 100)
@@ -230,14 +240,12 @@ class _Evaluator:
     """Held-out eval with one tool sandbox for the whole prepare; metrics without samples."""
 
     def __init__(self, tokenizer, records: list[dict], cfg: PrepareConfig):
-        from opd.eval import greedy_rollout_config
-        from opd.tools import ToolExecutor, builtin_registry
 
         self.tokenizer, self.records = tokenizer, records
-        self.greedy = greedy_rollout_config(max_new_tokens=cfg.eval_max_new_tokens,
-                                            max_total_len=512, batch_size=cfg.eval_batch_size)
+        self.greedy = greedy(RolloutConfig(max_new_tokens=cfg.eval_max_new_tokens,
+                                           max_total_len=512, batch_size=cfg.eval_batch_size))
         self.sampled = replace(self.greedy, top_k=0)
-        self.executor = ToolExecutor(builtin_registry())
+        self.executor = ToolExecutor(toolcalc_registry())
 
     def __enter__(self):
         return self
@@ -246,9 +254,6 @@ class _Evaluator:
         self.executor.close()
 
     def __call__(self, model, desc: str, sampled: bool = False) -> dict:
-        from opd.chat import ChatFormat
-        from opd.eval import evaluate
-        from recipes.toolcalc.tasks import check_answer
 
         chat = ChatFormat(self.tokenizer, generation_config=model.generation_config)
         metrics = evaluate(model, chat, self.executor, self.records, check_answer,

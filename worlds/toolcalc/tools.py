@@ -10,6 +10,8 @@ import ast
 import math
 import operator
 
+from opd.tools import Tool, ToolRegistry
+
 SIGNIFICANT_DIGITS = 6
 MAX_EXPRESSION_CHARS = 256
 MAX_EXPONENT = 64
@@ -190,3 +192,9 @@ TOOL_SCHEMAS: list[dict] = [
          "attribute": {"type": "string", "enum": list(LOOKUP_ATTRIBUTES)}}),
 ]
 TOOL_FUNCTIONS = {"calculator": calculator, "convert_units": convert_units, "lookup": lookup}
+
+
+def registry() -> ToolRegistry:
+    """The toolcalc world's tools, as a recipe names them (`tools.registry`)."""
+    return ToolRegistry([Tool(schema, TOOL_FUNCTIONS[schema["function"]["name"]])
+                         for schema in TOOL_SCHEMAS])

@@ -11,21 +11,12 @@ one whose keys and values are broadcast to the batch (gradients flow through the
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator, Sequence
 
+from opd.steps import schedule_factor
+
 SORT_WINDOW = 8  # batches per length-sorted window
-
-
-def lr_factor(step: int, steps: int, warmup_steps: int, schedule: str) -> float:
-    """Linear warmup, then cosine decay to 10% (or constant)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(steps - warmup_steps, 1)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
 def shared_prefix_length(trajectories: Sequence) -> int:
@@ -100,7 +91,7 @@ def sft(model, trajectories: list, *, steps: int, batch_size: int, lr: float, wa
     prefix_length = shared_prefix_length(trajectories)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, steps, warmup_steps, schedule))
+        optimizer, lambda step: schedule_factor(step + 1, steps, warmup_steps, schedule, 0.1))
     draw = batches([len(t.input_ids) for t in trajectories], batch_size, random.Random(seed))
     losses = []
     model.train()

@@ -1,0 +1,43 @@
+"""Every private DeepSpeed API the project uses, in one place.
+
+Checked against the DeepSpeed releases requirements.txt admits (>=0.17,<0.20); a new release
+that moves one of these breaks here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The full ZeRO-3 state dict on rank 0 in the compute dtype (collective; {} elsewhere)."""
+    return engine._zero3_consolidated_16bit_state_dict()
+
+
+def step_was_skipped(optimizer) -> bool:
+    """Whether ZeRO-3's last `step()` discarded the update (non-finite gradient norm)."""
+    return bool(optimizer.overflow)
+
+
+@contextmanager
+def without_zero3_hooks(optimizer) -> Iterator[None]:
+    """ZeRO-3's per-module fetch/release hooks removed while the context is open.
+
+    With every parameter already gathered, the hooks only cost time on each decode step of a
+    rollout; they are registered again on exit.
+    """
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    offload = optimizer.parameter_offload
+    for param in iter_params(offload.module, recurse=True):
+        param.ds_active_sub_modules.clear()
+    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(offload.module)

@@ -1,0 +1,147 @@
+"""The composition root of a run, top-down:
+
+    config   recipe < cluster file < key=value overrides, every value checked (opd.config)
+    plugins  prepare, tools, parser and checker resolved by name (opd.plugins)
+    world    process group of the launcher's ranks (opd.dist)
+    prepare  the recipe's world, built once per node and cached (its "{prepared}" paths)
+    inputs   tokenizer, vocabularies and datasets checked against the budgets (opd.inputs)
+    eval     teacher and student before training, on rank 0 (opd.eval)
+    train    the OPD loop (opd.trainer)
+    eval     the trained student, then the teacher / before / after table and eval.json
+
+Every user mistake is an `OPDError` and ends the run in one sentence; all of them that can be
+known before an engine starts (everything up to `inputs`) are found then.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP: threads that spin while waiting for work steal the cores of other
+# ranks and tool workers on a shared host (a CPU step measured 5x slower); sleeping costs little.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from opd import preemption
+from opd.config import Config, load_config, to_yaml
+from opd.dist import World, barrier, init_world, shutdown
+from opd.errors import OPDError
+from opd.eval import evaluate_model, results_table, spec_from_config
+from opd.inputs import RunInputs, load_inputs
+from opd.plugins import Plugins, prepared, resolve_plugins
+from opd.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = REPO / "recipes" / "toolcalc_tiny.yaml"
+DEFAULT_CLUSTER = REPO / "configs" / "clusters" / "local-cpu.yaml"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.recipe, args.cluster, args.overrides)
+        plugins = resolve_plugins(config)
+        if args.dry_run:
+            print(dry_run(config, plugins))
+            return
+        preemption.install()  # SIGUSR1 / SIGTERM: checkpoint at the next step boundary, requeue
+        world = init_world(config.cluster.device, config.cluster.dist_backend,
+                           config.cluster.threads_per_rank)
+        try:
+            run(config, plugins, world)
+        finally:
+            shutdown()
+    except OPDError as error:
+        sys.exit(f"error: {error}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a student by on-policy distillation.")
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="recipe YAML")
+    parser.add_argument("--cluster", default=str(DEFAULT_CLUSTER), help="cluster YAML")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config, world layout and memory estimate")
+    # The deepspeed launcher appends --local_rank; the rank is read from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
+    """prepare -> inputs -> eval teacher and student -> OPD -> eval the trained student -> table."""
+    config = prepare(config, plugins, world)
+    inputs = load_inputs(config)
+    rows: dict[str, dict] = {}
+    if config.eval.before:
+        if config.eval.teacher:
+            rows["teacher"] = evaluate(config, plugins, inputs, world, config.model.teacher,
+                                       "model.teacher")
+        rows["before"] = evaluate(config, plugins, inputs, world, config.model.student,
+                                  "model.student")
+    barrier()
+    final = train(config, plugins, inputs, world)
+    if final is None:  # stopped early to be requeued; the resumed run evaluates
+        return rows
+    if config.eval.after:
+        rows["after"] = evaluate(config, plugins, inputs, world, final, "trained student")
+    rows = {label: metrics for label, metrics in rows.items() if metrics}
+    if rows:  # rank 0 only: the others evaluate nothing
+        (config.run_dir / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(results_table(rows), flush=True)
+    barrier()
+    return rows
+
+
+def prepare(config: Config, plugins: Plugins, world: World) -> Config:
+    """The recipe's prepare step: one builder per node, the node's other ranks reuse its cache."""
+    if world.local_rank == 0:
+        config = prepared(config, plugins)
+    barrier()
+    return config if world.local_rank == 0 else prepared(config, plugins)
+
+
+def evaluate(config: Config, plugins: Plugins, inputs: RunInputs, world: World,
+             model_path: str | Path, key: str) -> dict:
+    """Held-out metrics of a saved model on rank 0 ({} elsewhere or without data.eval)."""
+    if not (world.is_main and inputs.eval_records):
+        return {}
+    metrics = evaluate_model(model_path, spec_from_config(config, plugins, inputs.eval_records),
+                             device=world.device, key=key,
+                             progress=f"eval {key}" if config.logging.progress else None)
+    metrics.pop("samples", None)
+    return metrics
+
+
+def dry_run(config: Config, plugins: Plugins) -> str:
+    """The resolved config, the world layout and per-rank memory; builds and starts nothing."""
+    from opd.backends.memory import memory_estimate
+
+    config = prepared(config, plugins, build=False)
+    launched = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else \
+        config.cluster.nodes * config.cluster.procs_per_node
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else \
+        config.cluster.procs_per_node
+    device = config.cluster.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    teacher_layout = {"zero_inference": f"ZeRO-3 partitioned over {world} ranks",
+                      "tensor_parallel": f"tensor parallel, tp_size {world}",
+                      "replicated": "one full copy per rank"}[config.teacher.engine]
+    return "\n".join([
+        to_yaml(config).rstrip(),
+        "",
+        f"world: {world} ranks = {max(1, world // per_node)} node(s) x {per_node} per node, "
+        f"device {device} ({'from the launcher' if launched else 'planned by the cluster file'})",
+        f"student: {config.student.backend}, data parallel over {world} ranks, "
+        f"{config.train.prompts_per_step} prompts per step "
+        f"(~{-(-config.train.prompts_per_step // world)} per rank)",
+        f"teacher: {config.teacher.engine}, {teacher_layout}",
+        "memory per rank (model states, estimate):",
+        *(f"  {line}" for line in memory_estimate(config, world, device)),
+    ])

@@ -1,0 +1,88 @@
+"""Plugins a recipe names as `module:attribute` strings, resolved once before any engine starts.
+
+A recipe names its world through these keys; the library names none:
+- `prepare`          `prepare(build: bool = True)` -> the directory "{prepared}" stands for
+- `tools.registry`   `registry()` -> `opd.tools.ToolRegistry`
+- `tools.parser`     a registered parser name (`hermes`) or `module:function(text) -> [ToolCall]`
+- `eval.checker`     `check(final_text, record) -> bool`
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opd.errors import ConfigError
+
+
+def resolve(spec: str, key: str) -> Any:
+    """`module:attribute` -> the object; `ConfigError` names the key when it cannot be imported."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ConfigError(f"{key} {spec!r} must look like module:attribute "
+                          "(e.g. worlds.toolcalc.tools:registry).")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and module_name.startswith(error.name):
+            raise ConfigError(f"{key} {spec!r}: there is no module {module_name!r}.") from None
+        raise  # the plugin's own module failed to import one of its dependencies: a bug there
+    if not hasattr(module, attribute):
+        raise ConfigError(f"{key} {spec!r}: module {module_name!r} has no attribute "
+                          f"{attribute!r}.")
+    return getattr(module, attribute)
+
+
+def resolve_callable(spec: str, key: str) -> Callable:
+    value = resolve(spec, key)
+    if not callable(value):
+        raise ConfigError(f"{key} {spec!r} names a {type(value).__name__}, not a function.")
+    return value
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """What a run's plugin keys name, resolved; None where the recipe names none."""
+
+    prepare: Callable | None
+    tool_registry: Any  # opd.tools.ToolRegistry
+    parser: Callable
+    checker: Callable | None
+
+
+def resolve_plugins(config) -> Plugins:
+    """Every plugin of `config`, resolved and called where cheap (the tool registry), so that a
+    bad name stops the run in one sentence before any engine starts."""
+    from opd.tools import ToolRegistry, get_parser
+
+    tool_registry = ToolRegistry([])
+    if config.tools.registry:
+        tool_registry = resolve_callable(config.tools.registry, "tools.registry")()
+        if not isinstance(tool_registry, ToolRegistry):
+            raise ConfigError(f"tools.registry {config.tools.registry!r} returned a "
+                              f"{type(tool_registry).__name__}, not an opd.tools.ToolRegistry.")
+    parser = resolve_callable(config.tools.parser, "tools.parser") \
+        if ":" in config.tools.parser else get_parser(config.tools.parser)
+    return Plugins(
+        prepare=resolve_callable(config.prepare, "prepare") if config.prepare else None,
+        tool_registry=tool_registry, parser=parser,
+        checker=resolve_callable(config.eval.checker, "eval.checker")
+        if config.eval.checker else None)
+
+
+def prepared(config, plugins: Plugins, *, build: bool = True):
+    """`config` with "{prepared}" resolved by the recipe's prepare step.
+
+    `build=False` asks the step for its cached output only (dry run, command-line eval); the
+    config comes back unresolved when nothing is cached.
+    """
+    from opd.config import with_prepared
+
+    if plugins.prepare is None:
+        return config
+    root = plugins.prepare(build=build)
+    if root is None:
+        return config
+    return with_prepared(config, getattr(root, "root", root))

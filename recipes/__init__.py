@@ -1,1 +1,0 @@
-"""Reproducible runs of opd; `recipes.toolcalc` is the embedded toy world."""

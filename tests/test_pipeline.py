@@ -1,0 +1,189 @@
+"""The composition root: every mistake that can be known before an engine starts is one
+sentence then (plugins, bounds, renamed keys, tokenizers, prompts over the budget), the command
+line evaluates as the trainer does, and a non-finite step never reaches the optimizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_scripts.world import build_world
+
+from opd.config import ModelConfig, load_config
+from opd.eval import final_text, strip_thinking
+from opd.rollout import AgentTrajectory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("world")
+    build_world(root)
+    return root
+
+
+def train(world_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python launch/train.py` on the tiny world, one process."""
+    return subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--recipe",
+                           str(world_dir / "recipe.yaml"), "cluster.device=cpu",
+                           "cluster.dist_backend=gloo", "cluster.threads_per_rank=1",
+                           *overrides], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def one_sentence(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ")
+    return line
+
+
+@pytest.mark.parametrize("override, message", [
+    ("prepare=nope:x", "prepare 'nope:x': there is no module 'nope'."),
+    ("tools.registry=worlds.toolcalc.tools:nothing",
+     "tools.registry 'worlds.toolcalc.tools:nothing': module 'worlds.toolcalc.tools' has no "
+     "attribute 'nothing'."),
+    ("tools.parser=yaml", "tools.parser 'yaml' is not a registered tool-call parser"),
+    ("eval.checker=worlds.toolcalc.tasks", "eval.checker 'worlds.toolcalc.tasks' must look like "
+                                           "module:attribute"),
+    ("tools.max_result_chars=32", "tools.max_result_chars must be at least 64"),
+    ("tools.memory_limit_mb=0", "tools.memory_limit_mb must be at least 32"),
+    ("loss.gkd_lambda=0.9", "loss.gkd_lambda was renamed loss.off_policy_fraction"),
+])
+def test_plugins_and_bounds_fail_in_one_sentence_before_any_engine(world_dir, override,
+                                                                   message):
+    result = train(world_dir, override, "logging.run_dir=" + str(world_dir / "never"))
+    assert message in one_sentence(result)
+    assert not (world_dir / "never").exists()  # nothing started
+
+
+def test_a_prompt_over_the_budget_names_file_and_line_before_any_engine(world_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = (world_dir / "prompts.jsonl").read_text().splitlines()
+    long = json.loads(lines[0])
+    long["messages"][-1]["content"] += " and then" * 200
+    prompts.write_text("\n".join([lines[0], json.dumps(long), *lines[1:]]) + "\n")
+    result = train(world_dir, f"data.prompts={prompts}", f"logging.run_dir={tmp_path / 'run'}")
+    line = one_sentence(result)
+    assert f"{prompts} line 2 (data.prompts): the prompt is" in line
+    assert "rollout.max_total_len=256" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_completion_over_the_micro_batch_names_file_and_line(world_dir, tmp_path):
+    completions = tmp_path / "completions.jsonl"
+    lines = (world_dir / "completions.jsonl").read_text().splitlines()
+    long = json.loads(lines[2])
+    long["messages"][-1]["content"] += " and then" * 300
+    completions.write_text("\n".join([*lines[:2], json.dumps(long), *lines[3:]]) + "\n")
+    result = train(world_dir, f"data.completions={completions}", "loss.off_policy_fraction=0.5",
+                   f"logging.run_dir={tmp_path / 'run'}")
+    assert f"{completions} line 3 (data.completions): the conversation is" in \
+        one_sentence(result)
+
+
+def test_overriding_the_models_drops_the_recipes_tokenizer(world_dir, tmp_path):
+    recipe = world_dir / "recipe.yaml"
+    config = load_config(recipe, None, [f"model.student={tmp_path}/s", f"model.teacher={tmp_path}/t"])
+    assert config.model.tokenizer == "" and config.tokenizer_path == f"{tmp_path}/s"
+    kept = load_config(recipe, None, [f"model.student={tmp_path}/s",
+                                      f"model.tokenizer={tmp_path}/tok"])
+    assert kept.model.tokenizer == f"{tmp_path}/tok"
+    assert load_config(recipe).model.tokenizer == str(world_dir / "tokenizer")
+
+
+def test_a_teacher_without_tokenizer_files_trains_on_the_students_tokenizer(world_dir, tmp_path):
+    """The issue's defect: an overridden pair kept the recipe's tokenizer and exported it."""
+    from transformers import AutoTokenizer
+
+    from opd.inputs import check_vocabulary
+
+    tokenizer = AutoTokenizer.from_pretrained(world_dir / "student")
+    config = load_config(world_dir / "recipe.yaml", None,
+                         [f"model.student={world_dir / 'student'}",
+                          f"model.teacher={world_dir / 'teacher'}"])
+    assert config.tokenizer_path == str(world_dir / "student")
+    assert check_vocabulary(config.model, tokenizer) == len(tokenizer)
+    with pytest.raises(Exception, match="model.student: the vocabulary of .* fewer than"):
+        check_vocabulary(ModelConfig(student=str(world_dir / "student"),
+                                     teacher=str(world_dir / "teacher")),
+                         _bigger_tokenizer(tokenizer, tmp_path))
+
+
+def _bigger_tokenizer(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path / "big")
+    big = AutoTokenizer.from_pretrained(tmp_path / "big")
+    big.add_tokens([f"<extra_{i}>" for i in range(5000)])
+    return big
+
+
+def test_the_checker_sees_the_answer_without_the_thinking():
+    assert strip_thinking("<think>maybe 41</think>\n\nThe answer is 42.") == "The answer is 42."
+    assert strip_thinking("<think>still thinking, 41") == ""
+    assert strip_thinking("The answer is 42.") == "The answer is 42."
+
+    class Decoder:
+        def decode(self, ids, skip_special_tokens):
+            return "<think>41?</think>The answer is 42."
+
+    trajectory = AgentTrajectory(input_ids=[1, 2, 3], assistant_mask=[False, True, True],
+                                 turns=1, tool_calls=0, truncated=False,
+                                 spans=[(0, 1, "prompt"), (1, 3, "assistant")])
+    assert final_text(trajectory, Decoder()) == "The answer is 42."
+
+
+def test_command_line_eval_passes_template_arguments(tmp_path, qwen3_tokenizer):
+    """Qwen3 from the command line: enable_thinking=false renders the empty think block into
+    the prompt, as the trainer's eval does with the recipe's chat_template_kwargs."""
+    from conftest import build_tiny_model
+
+    from opd.eval import main
+    from worlds.toolcalc.tasks import generate_tasks, task_record
+
+    build_tiny_model(qwen3_tokenizer, tmp_path / "model")
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(task_record(t)) + "\n" for t in generate_tasks(2, 1)))
+    args = ["--model", str(tmp_path / "model"), "--data", str(data), "--tools",
+            "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer",
+            "--max-new-tokens", "1", "--max-turns", "1", "--max-total-len", "4096"]
+    thinking = main(args)["metrics"]["mean_tokens"]
+    plain = main([*args, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    think_block = len(qwen3_tokenizer.encode("<think>\n\n</think>\n\n"))
+    assert plain["metrics"]["mean_tokens"] == thinking + think_block
+
+
+@pytest.mark.parametrize("backend, teacher", [("deepspeed", "zero_inference"),
+                                              ("fsdp", "replicated")])
+def test_a_nan_teacher_never_reaches_the_optimizer_or_a_checkpoint(world_dir, tmp_path,
+                                                                    backend, teacher):
+    from transformers import AutoModelForCausalLM
+
+    poisoned = tmp_path / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(world_dir / "teacher")
+    with torch.no_grad():
+        model.get_output_embeddings().weight[5, 3] = float("nan")
+    model.save_pretrained(poisoned)
+    run_dir = tmp_path / "run"
+    common = [f"model.teacher={poisoned}", f"student.backend={backend}",
+              f"teacher.engine={teacher}", f"logging.run_dir={run_dir}", "eval.every=0"]
+
+    stopped = train(world_dir, *common, "train.nonfinite=stop")
+    assert "step 1: loss nan" in one_sentence(stopped)
+    assert "train.nonfinite=stop" in stopped.stderr
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "final").exists()
+
+    skipped = train(world_dir, *common, "train.steps=3", "train.max_nonfinite_steps=10",
+                    "checkpoint.resume=never")
+    assert "no step of this run was finite" in one_sentence(skipped)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [True, True]
+    assert records[-1]["nonfinite_steps"] == 2
+    assert not (run_dir / "final").exists()

@@ -1,0 +1,1 @@
+"""Worlds: tools, tasks and checkers a recipe names; the `opd` library names none of them."""
