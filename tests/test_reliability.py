@@ -30,3 +30,20 @@ def test_a_binary_dataset_line_names_file_and_line(tmp_path):
                      .encode("latin-1"))
     with pytest.raises(DatasetError, match=rf"^{path} line 1 is not UTF-8 text"):
         load_jsonl(path)
+
+
+def test_runs_of_one_recipe_get_their_own_wandb_run_while_a_resume_keeps_its_id(tmp_path):
+    from opd.metrics import MetricsLog
+
+    def wandb_id(run_dir: Path, resume_step: int) -> str:
+        log = MetricsLog(run_dir, enabled=True, resume_step=resume_step, wandb_mode="offline",
+                         run_name="tiny/sweep", config={"optim": {"lr": 0.1}})
+        run_id = log.wandb.id
+        log.close()
+        return run_id
+
+    first = wandb_id(tmp_path / "a", 0)
+    assert first.startswith("tiny-sweep-")
+    assert wandb_id(tmp_path / "b", 0) != first  # another run of the same recipe
+    assert wandb_id(tmp_path / "a", 2) == first  # resumed from its step-2 checkpoint
+    assert wandb_id(tmp_path / "a", 0) != first  # started over from step 0: a new wandb run
