@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opd import checkpoint
+from opd import checkpoint, preflight
 from opd.config import Config, to_dict, to_yaml
 from opd.dist import World, all_reduce, barrier, lockstep
 
@@ -403,6 +403,7 @@ def results_table(rows: dict[str, dict]) -> str:
 def run_recipe(config: Config, world: World) -> dict[str, dict]:
     """prepare -> eval teacher and student -> OPD -> eval the trained student -> table."""
     config = prepare(config, world)
+    config = preflight.check(config, world)  # before any engine: run dir, writability, wandb
     evaluating = bool(config.data.eval) and world.is_main
     rows: dict[str, dict] = {}
     if evaluating and config.eval.before:
