@@ -182,6 +182,9 @@ class ClusterConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_rank: int = 0  # torch CPU threads per rank; 0: the host's cores / local ranks
+    # Collective timeout once the first step passed (before it: 60 min, for loading and compiling):
+    # how long ranks wait for one that stopped responding before the run fails.
+    collective_timeout_s: float = 300.0
     nodes: int = 1  # the layout a launcher will start (for --dry-run before launch)
     procs_per_node: int = 1
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -430,6 +433,7 @@ _RULES: list[tuple[str, typing.Callable[[Any], bool], str]] = [
     ("eval.every", lambda v: v >= 0, "at least 0"),
     ("eval.limit", lambda v: v >= 0, "at least 0"),
     ("cluster.threads_per_rank", lambda v: v >= 0, "at least 0"),
+    ("cluster.collective_timeout_s", lambda v: v > 0, "positive"),
     ("cluster.nodes", lambda v: v >= 1, "at least 1"),
     ("cluster.procs_per_node", lambda v: v >= 1, "at least 1"),
     ("cluster.slurm.gpus_per_node", lambda v: v >= 0, "at least 0"),

@@ -33,7 +33,7 @@ import torch
 
 from opd import checkpoint, preflight
 from opd.config import Config, to_dict, to_yaml
-from opd.dist import World, all_reduce, barrier, lockstep
+from opd.dist import World, all_reduce, barrier, lockstep, shorten_timeout
 
 if TYPE_CHECKING:
     from opd.backends import StudentEngine
@@ -320,6 +320,8 @@ def train(config: Config, world: World) -> Path | None:
     try:
         for step in range(run.start_step + 1, config.train.steps + 1):
             record = train_step(run, step)
+            if step == run.start_step + 1:  # loaded and compiled: fail fast on a hung rank
+                shorten_timeout(config.cluster.collective_timeout_s)
             if config.eval.every and step % config.eval.every == 0 and run.eval_records:
                 record.update(evaluate_student(run))
             run.log.log(record)
