@@ -216,6 +216,9 @@ class ClusterConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_rank: int = at_least(0, 0)  # torch CPU threads per rank; 0: cores / local ranks
+    # Collective timeout once the first step passed (before it: 60 min, for loading and compiling):
+    # how long ranks wait for one that stopped responding before the run fails.
+    collective_timeout_s: float = positive(300.0)
     nodes: int = at_least(1, 1)  # the layout a launcher will start (for --dry-run before launch)
     procs_per_node: int = at_least(1, 1)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -32,8 +32,13 @@ def numbered_records(path: str | Path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise DatasetError(f"Dataset file {path} does not exist.")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DatasetError(f"{path} line {number} is not UTF-8 text (a binary or "
+                                   "differently encoded file?).") from None
             if not line.strip():
                 continue
             try:

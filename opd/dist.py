@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-COLLECTIVE_TIMEOUT_MIN = 60
+COLLECTIVE_TIMEOUT_MIN = 60  # until the first step passed (loading, first compile, prepare)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,21 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _check_port(port: int) -> None:
+    """Rank 0 binds MASTER_PORT for the rendezvous store: a busy port is one sentence here
+    rather than a traceback on rank 0 and a long wait on the others."""
+    from opd.config import ConfigError
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
+        try:
+            sock.bind(("", port))
+        except OSError as error:
+            raise ConfigError(f"MASTER_PORT {port} is not free on this host ({error.strerror}; "
+                              "another job's rendezvous?): give the launcher another "
+                              "--master_port.") from None
 
 
 def _launcher_env() -> None:
@@ -80,6 +96,10 @@ def init_world(device: str = "auto", backend: str = "auto", threads: int = 0) ->
     if threads or where.type == "cpu":
         # Ranks on one host share its cores; oversubscribed BLAS threads slow every rank down.
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world_size))
+    # Under torchrun the agent holds the store already (the port is its, and busy by design).
+    if not dist.is_initialized() and rank == 0 and \
+            env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _check_port(int(env["MASTER_PORT"]))
     if not dist.is_initialized():
         chosen = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
         # Long enough for the waits on rank 0's work (prepare, eval) at a barrier.
@@ -87,6 +107,30 @@ def init_world(device: str = "auto", backend: str = "auto", threads: int = 0) ->
                                 device_id=where if use_cuda else None,
                                 timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MIN))
     return World(rank, world_size, local_rank, local_world_size, where)
+
+
+def shorten_timeout(seconds: float) -> None:
+    """Once the first step passed: a rank that stops responding (hung, stopped, its host gone)
+    fails the others after `seconds` (cluster.collective_timeout_s), not after an hour of
+    silence, and the error says so in one sentence."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):  # the default one and subgroups
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    explained, rank = sys.excepthook, dist.get_rank()
+
+    def explain(kind, error, trace) -> None:
+        text = str(error).lower() if isinstance(error, RuntimeError) else ""
+        if "timed out" in text:
+            cause = (f"waited {seconds:g} s (cluster.collective_timeout_s) for a collective: "
+                     "another rank stopped responding (hung, stopped or its host lost)")
+        elif "closed by peer" in text:
+            cause = "lost another rank in a collective: it exited (see its log)"
+        else:
+            return explained(kind, error, trace)
+        print(f"error: rank {rank} {cause}; resume from the last checkpoint with the "
+              "same command.", file=sys.stderr, flush=True)
+    sys.excepthook = explain
 
 
 def init_deepspeed_comm(world: World) -> None:

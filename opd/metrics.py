@@ -1,7 +1,9 @@
 """Per-step metrics: `metrics.jsonl` (one JSON object per optimizer step), wandb, and a plot.
 
 Only rank 0 writes. wandb runs offline unless the recipe says `logging.wandb_mode: online`, so a
-run never reaches for the network or a login by default; `disabled` skips it entirely.
+run never reaches for the network or a login by default; `disabled` skips it entirely. Each run
+gets its own wandb run id, kept in the run directory (`wandb_run_id`), so that a resumed run goes
+on logging to the same wandb run while another run of the same recipe starts its own.
 
     python -m opd.metrics plot runs/<name>/metrics.jsonl [--out metrics.png]
 """
@@ -11,12 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import secrets
 import sys
 from pathlib import Path
 
 PLOTTED = ("loss", "kl_per_token", "grad_norm", "lr", "target_tokens", "tokens_per_s",
            "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "rollout_s",
            "teacher_s", "train_s")
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path, run_name: str, resuming: bool) -> str:
+    """The stored id when resuming, else a new one (`<name>-<8 hex>`), stored for the resume."""
+    path = run_dir / WANDB_ID_FILE
+    if resuming and path.is_file():
+        return path.read_text().strip()
+    run_id = f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_name)}-{secrets.token_hex(4)}"
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 class MetricsLog:
@@ -40,7 +55,7 @@ class MetricsLog:
 
             self.wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir),
                                     mode=wandb_mode, config=config, resume="allow",
-                                    id=f"{run_name}".replace("/", "-"))
+                                    id=wandb_run_id(run_dir, run_name, resume_step > 0))
 
     def log(self, record: dict) -> None:
         if not self.enabled:

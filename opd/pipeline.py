@@ -5,6 +5,7 @@
     world    process group of the launcher's ranks (opd.dist)
     prepare  the recipe's world, built once per node and cached (its "{prepared}" paths)
     inputs   tokenizer, vocabularies and datasets checked against the budgets (opd.inputs)
+    preflight  the run directory is this run's and writable, wandb can log (opd.preflight)
     eval     teacher and student before training, on rank 0 (opd.eval)
     train    the OPD loop (opd.trainer)
     eval     the trained student, then the teacher / before / after table and eval.json
@@ -26,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd import preemption
+from opd import preemption, preflight
 from opd.config import Config, load_config, to_yaml
 from opd.dist import World, barrier, init_world, shutdown
 from opd.errors import OPDError
@@ -75,6 +76,7 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     """prepare -> inputs -> eval teacher and student -> OPD -> eval the trained student -> table."""
     config = prepare(config, plugins, world)
     inputs = load_inputs(config)
+    config = preflight.check(config, world)  # run dir, writability, wandb, before any engine
     rows: dict[str, dict] = {}
     if config.eval.before:
         if config.eval.teacher:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from opd import checkpoint, preemption
 from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
-from opd.dist import World, all_reduce, barrier, lockstep
+from opd.dist import World, all_reduce, barrier, lockstep, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
 from opd.eval import evaluate, greedy
 from opd.inputs import RunInputs
@@ -75,6 +75,8 @@ def train(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
     try:
         for step in range(run.start_step + 1, config.train.steps + 1):
             record = train_step(run, step)
+            if step == run.start_step + 1:  # loaded and compiled: fail fast on a hung rank
+                shorten_timeout(config.cluster.collective_timeout_s)
             if config.eval.every and step % config.eval.every == 0 and inputs.eval_records:
                 record.update(evaluate_student(run))
             run.log.log(record)
