@@ -123,13 +123,13 @@ def _send(conn: multiprocessing.connection.Connection, *message: Any) -> None:
     conn.send_bytes(json.dumps(message).encode())
 
 
-def launch(fd: int, trainer: int) -> None:
-    """Launcher entry point: fork the zygote into new namespaces where possible, then wait for
-    it, killing it when the trainer exits first (a trainer killed outright never calls close)."""
+def launch(fd: int, trainer: int, namespaces: bool) -> None:
+    """Launcher entry point: fork the zygote into new namespaces where asked and possible, then
+    wait for it, killing it when the trainer exits first (a trainer killed outright never calls
+    close)."""
     libc = _libc()
-    root = os.geteuid() == 0
-    flags = _CLONE_NEWPID | _CLONE_NEWNS | (0 if root else _CLONE_NEWUSER)
-    namespaced = libc is not None and libc.unshare(flags) == 0
+    flags = _CLONE_NEWPID | _CLONE_NEWNS | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
+    namespaced = namespaces and libc is not None and libc.unshare(flags) == 0
     zygote = os.fork()
     if zygote == 0:
         try:

@@ -301,8 +301,8 @@ class ToolCallCounts:
 
 # The launcher is a fresh interpreter, not a fork (the parent may be a trainer rank with threads)
 # nor a multiprocessing spawn (which would re-import the trainer script, torch included).
-_WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[3:]; from opd.tool_worker import launch; "
-                     "launch(int(sys.argv[1]), int(sys.argv[2]))")
+_WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[4:]; from opd.tool_worker import launch; "
+                     "launch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'namespaces')")
 
 # The only variables a worker inherits (and LC_*); HOME and TMPDIR are its own directory.
 SANDBOX_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED",
@@ -325,7 +325,7 @@ class _Worker:
     """Parent-side handle of one worker process tree; its socket reaches EOF when it dies."""
 
     def __init__(self, setup: bytes, start_timeout_s: float, pass_env: Sequence[str],
-                 owner: tuple[int, int] | None):
+                 owner: tuple[int, int] | None, namespaces: bool):
         self.workdir = tempfile.mkdtemp(prefix="opd-tool-worker-")
         if owner:  # tool calls run as this user and write here
             os.chown(self.workdir, *owner)
@@ -337,11 +337,15 @@ class _Worker:
             with child_socket:
                 self.process = subprocess.Popen(
                     [sys.executable, "-c", _WORKER_BOOTSTRAP, str(child_socket.fileno()),
-                     str(os.getpid()), *map(os.path.abspath, sys.path)],  # cwd is not ours
+                     str(os.getpid()), "namespaces" if namespaces else "-",
+                     *map(os.path.abspath, sys.path)],  # its cwd is not ours
                     pass_fds=(child_socket.fileno(),), stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL, cwd=self.workdir,
                     env=_sandbox_env(self.workdir, pass_env),
                     start_new_session=True)  # Ctrl-C is for the parent; killed as a group
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.conn = multiprocessing.connection.Connection(parent_socket.detach())
@@ -375,14 +379,16 @@ class ToolExecutor:
     each call runs in a fresh child whose process tree, files and globals die with it. A worker
     that dies is replaced. Each call has `memory_limit_mb` of address space beyond the worker's
     start-up footprint, no stdout/stderr, only the SANDBOX_ENV variables (and `pass_env`), and
-    runs as `run_as` when the trainer is root (None: stay root). At most `max_calls_per_turn`
-    calls of one row run; the others are invalid. Safe to call from any thread; concurrent
-    calls are serialised."""
+    runs as `run_as` when the trainer is root (None: stay root), in PID and mount namespaces of
+    its worker where the kernel allows them and `namespaces` is set; `isolation` says what is in
+    force. At most `max_calls_per_turn` calls of one row run; the others are invalid. Safe to
+    call from any thread; concurrent calls are serialised."""
 
     def __init__(self, registry: ToolRegistry, *, timeout_s: float = 10.0,
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
                  start_timeout_s: float = 60.0, max_calls_per_turn: int = MAX_CALLS_PER_TURN,
-                 run_as: str | None = "nobody", pass_env: Sequence[str] = ()):
+                 run_as: str | None = "nobody", pass_env: Sequence[str] = (),
+                 namespaces: bool = True):
         if min(timeout_s, num_workers, memory_limit_mb, start_timeout_s,
                max_calls_per_turn) <= 0:
             raise ValueError("ToolExecutor timeout_s, num_workers, memory_limit_mb, "
@@ -404,6 +410,7 @@ class ToolExecutor:
         self.start_timeout_s = start_timeout_s
         self.max_calls_per_turn = max_calls_per_turn
         self.pass_env = tuple(pass_env)
+        self.namespaces = namespaces
         self.isolation: str | None = None  # what the workers could set up; known once started
         self._owner = user[1:] if user and os.geteuid() == 0 else None
         functions = {tool.name: tool.fn for tool in registry.tools}
@@ -469,7 +476,8 @@ class ToolExecutor:
         return ToolResult(tool_worker.error_content(message, self.max_result_chars), status)
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._setup, self.start_timeout_s, self.pass_env, self._owner)
+        return _Worker(self._setup, self.start_timeout_s, self.pass_env, self._owner,
+                       self.namespaces)
 
     def _run(self, pending: deque, results: list) -> None:
         while len(self._workers) < self.num_workers:

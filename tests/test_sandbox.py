@@ -132,9 +132,9 @@ def test_no_state_survives_a_call(executor):
     assert json.loads(_run_one(executor, "environment").content)["files"] == []
 
 
-def test_a_tool_cannot_signal_the_trainer(executor, tmp_path):
-    """Neither its parent pid nor a /proc scan for the trainer (found by a file it holds open)
-    reaches this process."""
+def _signals_reaching_this_process(executor, tmp_path) -> list[int]:
+    """Run a tool that signals its parent and whatever a /proc scan finds holding the trainer's
+    marker file open; return the signals this process got."""
     received = []
     handlers = {signum: signal.signal(signum, lambda signum, frame: received.append(signum))
                 for signum in (signal.SIGUSR1, signal.SIGTERM)}
@@ -147,8 +147,24 @@ def test_a_tool_cannot_signal_the_trainer(executor, tmp_path):
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     assert result.status == "ok" and "sent" not in json.loads(result.content).values()
-    assert received == []
-    assert executor.isolation != "none"
+    return received
+
+
+def test_a_tool_cannot_signal_the_trainer(executor, tmp_path):
+    assert _signals_reaching_this_process(executor, tmp_path) == []
+    assert executor.isolation.startswith("pid-namespace")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="without namespaces only root can change uid")
+def test_without_namespaces_root_still_drops_to_nobody(tmp_path):
+    with ToolExecutor(_registry(), timeout_s=TIMEOUT_S, num_workers=1, namespaces=False) as pool:
+        with pytest.warns(RuntimeWarning, match="without a PID namespace.*cannot signal"):
+            counts = pool.run_batch([[ToolCall("count_calls", {})] * 3])[0]
+        assert pool.isolation == "uid:nobody" and [r.content for r in counts] == ["1"] * 3
+        assert _signals_reaching_this_process(pool, tmp_path) == []
+        timed_out = _run_one(pool, "sleep", seconds=600)
+        assert "timed out" in json.loads(timed_out.content)["error"]
+        assert _run_one(pool, "count_calls").content == "1"
 
 
 # ---------------------------------------------------------------- student text
