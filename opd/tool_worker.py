@@ -15,8 +15,10 @@ whole namespace.
 What a tool cannot do, by the isolation in force (reported as ToolExecutor.isolation):
 - "pid-namespace...": see or signal any process outside its namespace (the trainer included);
   /proc shows only the namespace where it could be mounted afresh.
-- "+uid:NAME": signal, ptrace or read /proc files of the trainer's processes, or write the
-  trainer's files, as root could.
+- "+uid:NAME" (the trainer is root): signal, ptrace or read the /proc files of the trainer's
+  processes, or write files only root may write.
+- a trainer that is not root runs calls as itself; in a user namespace, each call child enters
+  a nested one, so it holds no capability over the worker's namespaces (cannot unmount /proc).
 - without a PID namespace, the uid drop is the only signal barrier; processes a tool starts in a
   session of their own escape the per-call sweep, and, as the same user, it can signal the trainer.
 An episode that keeps state across calls (issue 13) would fork its child once and send it each
@@ -128,8 +130,15 @@ def launch(fd: int, trainer: int, namespaces: bool) -> None:
     wait for it, killing it when the trainer exits first (a trainer killed outright never calls
     close)."""
     libc = _libc()
-    flags = _CLONE_NEWPID | _CLONE_NEWNS | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
+    uid, gid = os.geteuid(), os.getegid()
+    flags = _CLONE_NEWPID | _CLONE_NEWNS | (0 if uid == 0 else _CLONE_NEWUSER)
     namespaced = namespaces and libc is not None and libc.unshare(flags) == 0
+    if namespaced and uid != 0:  # keep our ids: unmapped ones could not nest a user namespace
+        with contextlib.suppress(OSError):
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as handle:
+                    handle.write(text)
     zygote = os.fork()
     if zygote == 0:
         try:
@@ -210,6 +219,8 @@ def _run_call(fn: Callable, name: str, arguments: dict, limit: int, memory_mb: i
                 os.setgroups([])
                 os.setgid(drop[2])
                 os.setuid(drop[1])
+            elif pid1 and os.geteuid() != 0:  # in a user namespace: drop its capabilities
+                libc.unshare(_CLONE_NEWUSER)
             writer.send_bytes(json.dumps(_call_tool(fn, name, arguments, limit, memory_mb))
                               .encode())
         finally:
