@@ -6,7 +6,8 @@ schema, nests deeper than MAX_ARGUMENT_DEPTH or is over the turn's `max_calls_pe
 wildly or returns something JSON cannot hold is "failed". Either way the student sees one
 `{"error": "..."}` observation. Every result content is a JSON text of at most
 `max_result_chars` characters: an over-long result becomes `{"truncated": "<prefix of its JSON>"}`
-(the seed cut the JSON text mid-token instead).
+(the seed cut the JSON text mid-token instead). How a call is sandboxed, and what a tool can
+still do, is told in opd.tool_worker.
 """
 
 import json
