@@ -174,7 +174,8 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     child of its own until EOF."""
     conn = multiprocessing.connection.Connection(fd)
     try:
-        functions, max_result_chars, memory_mb, timeout_s, user = pickle.loads(conn.recv_bytes())
+        # drop: (name, uid, gid) to run calls as, when the trainer is root
+        functions, max_result_chars, memory_mb, timeout_s, drop = pickle.loads(conn.recv_bytes())
     except EOFError:
         return
     except BaseException as exc:  # unpickling imports the tools' modules: report why it failed
@@ -186,7 +187,6 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     os.dup2(devnull, 2)
     pid1 = namespaced and os.getpid() == 1
     isolation = ["pid-namespace" + ("+proc" if pid1 and _mount_proc(libc) else "")] if pid1 else []
-    drop = user if user and os.geteuid() == 0 else None
     if drop:
         isolation.append(f"uid:{drop[0]}")
     _limit_address_space(memory_mb)

@@ -398,7 +398,7 @@ class ToolExecutor:
             raise ValueError(f"ToolExecutor max_result_chars must be at least 64 to hold an "
                              f"error, got {max_result_chars}")
         user = None
-        if run_as is not None:
+        if run_as is not None and os.geteuid() == 0:
             try:
                 entry = pwd.getpwnam(run_as)
             except KeyError:
@@ -413,7 +413,7 @@ class ToolExecutor:
         self.pass_env = tuple(pass_env)
         self.namespaces = namespaces
         self.isolation: str | None = None  # what the workers could set up; known once started
-        self._owner = user[1:] if user and os.geteuid() == 0 else None
+        self._owner = user[1:] if user else None
         functions = {tool.name: tool.fn for tool in registry.tools}
         self._setup = pickle.dumps((functions, max_result_chars, memory_limit_mb, timeout_s,
                                     user))
