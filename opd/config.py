@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from opd.errors import ConfigError
-from opd.tools import MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
+from opd.tools import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
 
 OVERRIDE_SOURCE = "command line"
 PREPARED = "{prepared}"
@@ -99,6 +99,10 @@ class ToolsConfig:
     num_workers: int = at_least(1, 2)
     max_result_chars: int = at_least(MIN_RESULT_CHARS, 2048, " (an error observation must fit)")
     memory_limit_mb: int = at_least(MIN_MEMORY_LIMIT_MB, 1024)
+    # Calls past this many in one assistant turn get an error observation and never run.
+    max_calls_per_turn: int = at_least(1, MAX_CALLS_PER_TURN)
+    # Environment variables tools may read; the sandbox passes no other (API keys stay out).
+    pass_env: list[str] = field(default_factory=list)
 
 
 @dataclass

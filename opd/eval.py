@@ -105,6 +105,14 @@ def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg
     return summarize(outcomes)
 
 
+def tool_executor(registry: ToolRegistry, tools: ToolsConfig) -> ToolExecutor:
+    """The sandbox for `registry` with the recipe's `tools.*` bounds."""
+    return ToolExecutor(registry, timeout_s=tools.timeout_s,
+                        max_result_chars=tools.max_result_chars, num_workers=tools.num_workers,
+                        memory_limit_mb=tools.memory_limit_mb,
+                        max_calls_per_turn=tools.max_calls_per_turn, pass_env=tools.pass_env)
+
+
 def evaluate_model(model_path: str | Path, spec: EvalSpec, *, device=None,
                    key: str = "--model", progress: str | None = None) -> dict:
     """Metrics of a saved Hugging Face model under `spec` (samples included)."""
@@ -114,10 +122,7 @@ def evaluate_model(model_path: str | Path, spec: EvalSpec, *, device=None,
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer or str(model_path),
                                               local_files_only=True)
     chat = ChatFormat(tokenizer, spec.chat_template_kwargs, model.generation_config)
-    with ToolExecutor(spec.tool_registry, timeout_s=spec.tools.timeout_s,
-                      max_result_chars=spec.tools.max_result_chars,
-                      num_workers=spec.tools.num_workers,
-                      memory_limit_mb=spec.tools.memory_limit_mb) as executor:
+    with tool_executor(spec.tool_registry, spec.tools) as executor:
         return evaluate(model, chat, executor, spec.records, spec.checker, spec.rollout,
                         seed=spec.seed, parser=spec.parser, progress=progress)
 

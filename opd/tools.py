@@ -1,23 +1,30 @@
 """Student tool calls: parse them, validate them against their schema, run them in a sandbox.
 
-A tool call must never cost the rank. A call that does not parse or does not match its tool's
-schema is "invalid"; a call that hangs, raises, kills its process, prints without end, allocates
+A tool call must never cost the rank. A call that does not parse, does not match its tool's
+schema, nests deeper than MAX_ARGUMENT_DEPTH or is over the turn's `max_calls_per_turn` is
+"invalid"; a call that hangs, raises, kills its process, prints without end, allocates
 wildly or returns something JSON cannot hold is "failed". Either way the student sees one
 `{"error": "..."}` observation. Every result content is a JSON text of at most
 `max_result_chars` characters: an over-long result becomes `{"truncated": "<prefix of its JSON>"}`
-(the seed cut the JSON text mid-token instead).
+(the seed cut the JSON text mid-token instead). How a call is sandboxed, and what a tool can
+still do, is told in opd.tool_worker.
 """
 
 import json
 import multiprocessing.connection
+import os
 import pickle
+import pwd
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -123,6 +130,25 @@ class Tool:
         return self.schema["function"]["name"]
 
 
+# Deeper values would exhaust the recursion limit while validated, encoded or decoded; the
+# parser's own limit (Python's recursion limit) depends on the caller's stack.
+MAX_ARGUMENT_DEPTH = 128
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` (the arguments object is level 1);
+    iterative, as the value may be too deep for recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1)
+                         for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 _JSON_TYPES = {"string", "number", "integer", "boolean", "array", "object", "null"}
 
 
@@ -154,6 +180,9 @@ class ToolRegistry:
         if not isinstance(call.arguments, dict):
             return (f"arguments of tool {tool.name!r} must be a JSON object, "
                     f"got {_json_type(call.arguments)}")
+        if _too_deep(call.arguments, MAX_ARGUMENT_DEPTH):
+            return (f"arguments of tool {tool.name!r} are nested deeper than "
+                    f"{MAX_ARGUMENT_DEPTH} levels")
         parameters = {"properties": {}, **tool.schema["function"].get("parameters", {})}
         return _schema_error(call.arguments, parameters, tool.name, ())
 
@@ -277,16 +306,36 @@ class ToolCallCounts:
             setattr(self, field, getattr(self, field) + 1)
 
 
-# The worker is a fresh interpreter, not a fork (the parent may be a trainer rank with threads)
+# The launcher is a fresh interpreter, not a fork (the parent may be a trainer rank with threads)
 # nor a multiprocessing spawn (which would re-import the trainer script, torch included).
-_WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[2:]; "
-                     "from opd.tool_worker import serve; serve(int(sys.argv[1]))")
+_WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[4:]; from opd.tool_worker import launch; "
+                     "launch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'namespaces')")
+
+# The only variables a worker inherits (and LC_*); HOME and TMPDIR are its own directory.
+SANDBOX_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED",
+               "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE")
+MAX_CALLS_PER_TURN = 8
+# A worker enforces each call's timeout itself; the trainer gives up on it only this much later.
+_REPLY_GRACE_S = 10.0
+
+_warned_isolation: set[str] = set()
+
+
+def _sandbox_env(workdir: str, pass_env: Sequence[str]) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key in SANDBOX_ENV or key.startswith("LC_") or key in pass_env}
+    env.update(HOME=workdir, TMPDIR=workdir, PWD=workdir)
+    return env
 
 
 class _Worker:
-    """Parent-side handle of one worker process; its socket reaches EOF when the worker dies."""
+    """Parent-side handle of one worker process tree; its socket reaches EOF when it dies."""
 
-    def __init__(self, setup: bytes, start_timeout_s: float):
+    def __init__(self, setup: bytes, start_timeout_s: float, pass_env: Sequence[str],
+                 owner: tuple[int, int] | None, namespaces: bool):
+        self.workdir = tempfile.mkdtemp(prefix="opd-tool-worker-")
+        if owner:  # tool calls run as this user and write here
+            os.chown(self.workdir, *owner)
         parent_socket, child_socket = socket.socketpair()
         # Slurm's warning signal (USR1) reaches every process of a job step and would kill a
         # worker mid-call; the worker inherits it blocked (the mask survives fork and exec).
@@ -295,22 +344,34 @@ class _Worker:
             with child_socket:
                 self.process = subprocess.Popen(
                     [sys.executable, "-c", _WORKER_BOOTSTRAP, str(child_socket.fileno()),
-                     *sys.path],
+                     str(os.getpid()), "namespaces" if namespaces else "-",
+                     *map(os.path.abspath, sys.path)],  # its cwd is not ours
                     pass_fds=(child_socket.fileno(),), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, start_new_session=True)  # Ctrl-C is for the parent
+                    stdout=subprocess.DEVNULL, cwd=self.workdir,
+                    env=_sandbox_env(self.workdir, pass_env),
+                    start_new_session=True)  # Ctrl-C is for the parent; killed as a group
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.conn = multiprocessing.connection.Connection(parent_socket.detach())
         self.conn.send_bytes(setup)
-        self.ready = False
+        self.isolation: str | None = None  # set by its ready message
         self.job: tuple[int, str] | None = None  # (index in the flat batch, tool name)
         self.deadline = time.monotonic() + start_timeout_s
 
     def stop(self) -> int:
-        """Kill (a no-op when it already exited) and reap; returns the exit code."""
-        self.process.kill()
+        """Kill its process group (a no-op when it already exited), reap, remove its directory;
+        returns the exit code. Its PID namespace, if any, dies with the zygote."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.conn.close()
-        return self.process.wait()
+        exit_code = self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return exit_code
 
 
 def _stop_workers(workers: list[_Worker]) -> None:
@@ -320,28 +381,48 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 
 class ToolExecutor:
-    """A pool of worker processes with a wall-clock timeout per call; never raises for a tool's
-    fault. Workers start on first use and are reused; one that times out or dies is killed and
-    replaced. Each worker has `memory_limit_mb` of address space beyond its start-up footprint,
-    and no stdout/stderr. Safe to call from any thread; concurrent calls are serialised."""
+    """A pool of sandboxed workers (see opd.tool_worker) with a wall-clock timeout per call;
+    never raises for a tool's or a student's fault. Workers start on first use and are reused;
+    each call runs in a fresh child whose process tree, files and globals die with it. A worker
+    that dies is replaced. Each call has `memory_limit_mb` of address space beyond the worker's
+    start-up footprint, no stdout/stderr, only the SANDBOX_ENV variables (and `pass_env`), and
+    runs as `run_as` when the trainer is root (None: stay root), in PID and mount namespaces of
+    its worker where the kernel allows them and `namespaces` is set; `isolation` says what is in
+    force. At most `max_calls_per_turn` calls of one row run; the others are invalid. Safe to
+    call from any thread; concurrent calls are serialised."""
 
     def __init__(self, registry: ToolRegistry, *, timeout_s: float = 10.0,
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
-                 start_timeout_s: float = 60.0):
-        if min(timeout_s, num_workers, start_timeout_s) <= 0:
-            raise ValueError("ToolExecutor timeout_s, num_workers and start_timeout_s must be "
-                             "positive")
+                 start_timeout_s: float = 60.0, max_calls_per_turn: int = MAX_CALLS_PER_TURN,
+                 run_as: str | None = "nobody", pass_env: Sequence[str] = (),
+                 namespaces: bool = True):
+        if min(timeout_s, num_workers, start_timeout_s, max_calls_per_turn) <= 0:
+            raise ValueError("ToolExecutor timeout_s, num_workers, start_timeout_s and "
+                             "max_calls_per_turn must be positive")
         if memory_limit_mb < MIN_MEMORY_LIMIT_MB or max_result_chars < MIN_RESULT_CHARS:
             raise ValueError(f"ToolExecutor memory_limit_mb must be at least "
                              f"{MIN_MEMORY_LIMIT_MB} and max_result_chars at least "
                              f"{MIN_RESULT_CHARS} (got {memory_limit_mb}, {max_result_chars})")
+        user = None
+        if run_as is not None and os.geteuid() == 0:
+            try:
+                entry = pwd.getpwnam(run_as)
+            except KeyError:
+                raise ValueError(f"ToolExecutor run_as: no user named {run_as!r}") from None
+            user = (run_as, entry.pw_uid, entry.pw_gid)
         self.registry = registry
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
         self.num_workers = num_workers
         self.start_timeout_s = start_timeout_s
+        self.max_calls_per_turn = max_calls_per_turn
+        self.pass_env = tuple(pass_env)
+        self.namespaces = namespaces
+        self.isolation: str | None = None  # what the workers could set up; known once started
+        self._owner = user[1:] if user else None
         functions = {tool.name: tool.fn for tool in registry.tools}
-        self._setup = pickle.dumps((functions, max_result_chars, memory_limit_mb))
+        self._setup = pickle.dumps((functions, max_result_chars, memory_limit_mb, timeout_s,
+                                    user))
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -358,19 +439,33 @@ class ToolExecutor:
             self._closed = True
             self._finalizer()
 
+    def pids(self) -> list[int]:
+        """The workers' launcher processes: each the root of its worker's process tree."""
+        with self._lock:
+            return [worker.process.pid for worker in self._workers]
+
     def run_batch(self, calls_per_row: list[list[ToolCall]]) -> list[list[ToolResult]]:
         """Results in the same nesting and order; all valid calls of all rows run concurrently."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("this ToolExecutor is closed")
-            flat = [call for row in calls_per_row for call in row]
+            flat = [(call, position) for row in calls_per_row
+                    for position, call in enumerate(row)]
             results: list[ToolResult | None] = [None] * len(flat)
-            pending: deque[tuple[int, ToolCall]] = deque()
-            for index, call in enumerate(flat):
-                error = self.registry.validate(call)
-                if error is None:
-                    pending.append((index, call))
+            pending: deque[tuple[int, str, bytes]] = deque()
+            for index, (call, position) in enumerate(flat):
+                if position >= self.max_calls_per_turn:
+                    error = (f"tool call {position + 1} of this turn was not run: at most "
+                             f"{self.max_calls_per_turn} tool calls per turn")
                 else:
+                    error = self.registry.validate(call)
+                if error is None:
+                    try:
+                        pending.append((index, call.name,
+                                        json.dumps([call.name, call.arguments]).encode()))
+                    except (TypeError, ValueError, RecursionError) as exc:
+                        error = f"arguments of tool {call.name!r} are not JSON values: {exc}"
+                if error is not None:
                     results[index] = self._error(error, "invalid")
             try:
                 if pending:
@@ -387,23 +482,27 @@ class ToolExecutor:
     def _error(self, message: str, status: str) -> ToolResult:
         return ToolResult(tool_worker.error_content(message, self.max_result_chars), status)
 
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._setup, self.start_timeout_s, self.pass_env, self._owner,
+                       self.namespaces)
+
     def _run(self, pending: deque, results: list) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._setup, self.start_timeout_s))
+            self._workers.append(self._new_worker())
         while pending or any(worker.job for worker in self._workers):
             for position, worker in enumerate(self._workers):
-                if worker.ready and worker.job is None and pending:
-                    index, call = pending.popleft()
+                if worker.isolation and worker.job is None and pending:
+                    index, name, request = pending.popleft()
                     try:
-                        worker.conn.send((call.name, call.arguments))
+                        worker.conn.send_bytes(request)
                     except OSError:  # died while idle: the call never ran, so it waits for another
-                        pending.appendleft((index, call))
+                        pending.appendleft((index, name, request))
                         worker.stop()
-                        self._workers[position] = _Worker(self._setup, self.start_timeout_s)
+                        self._workers[position] = self._new_worker()
                         continue
-                    worker.job = (index, call.name)
-                    worker.deadline = time.monotonic() + self.timeout_s
-            waiting = [worker for worker in self._workers if worker.job or not worker.ready]
+                    worker.job = (index, name)
+                    worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
+            waiting = [worker for worker in self._workers if worker.job or not worker.isolation]
             ready = multiprocessing.connection.wait(
                 [worker.conn for worker in waiting],
                 timeout=max(min(worker.deadline for worker in waiting) - time.monotonic(), 0.0))
@@ -415,13 +514,14 @@ class ToolExecutor:
         """Take the worker's message, or handle its death or timeout; return who takes its place."""
         if readable:
             try:
-                status, content = worker.conn.recv()
-            except (EOFError, OSError):
+                status, content = json.loads(worker.conn.recv_bytes())
+            except (EOFError, OSError, ValueError):
                 status, content = "died", ""
             if status == "ready":
-                worker.ready = True
+                worker.isolation = content
+                self._note_isolation(content)
                 return worker
-            if status in ("ok", "failed"):
+            if status in ("ok", "failed") and worker.job is not None:
                 results[worker.job[0]] = ToolResult(content, status)
                 worker.job = None
                 return worker
@@ -443,5 +543,16 @@ class ToolExecutor:
                     f"a tool worker did not start within {self.start_timeout_s:g} s")
             results[worker.job[0]] = self._error(
                 f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
-        return _Worker(self._setup, self.start_timeout_s)
+        return self._new_worker()
+
+    def _note_isolation(self, isolation: str) -> None:
+        self.isolation = isolation
+        if not isolation.startswith("pid-namespace") and isolation not in _warned_isolation:
+            _warned_isolation.add(isolation)
+            warnings.warn(
+                f"tool workers run without a PID namespace (isolation: {isolation}): "
+                + ("a tool cannot signal the trainer (another uid), but " if "uid:" in isolation
+                   else "a tool can signal the trainer and ")
+                + "processes a tool starts in a session of their own outlive its call",
+                RuntimeWarning, stacklevel=2)
 

@@ -32,7 +32,7 @@ from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
 from opd.dist import World, all_reduce, barrier, lockstep, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
-from opd.eval import evaluate, greedy
+from opd.eval import evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
 from opd.loss import fused_distillation_loss
 from opd.metrics import MetricsLog
@@ -111,10 +111,7 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
     student = build_student(config.model.student, config.student, config.optim, world)
     teacher = build_teacher(config.model.teacher, config.teacher, world)
-    executor = ToolExecutor(plugins.tool_registry, timeout_s=config.tools.timeout_s,
-                            max_result_chars=config.tools.max_result_chars,
-                            num_workers=config.tools.num_workers,
-                            memory_limit_mb=config.tools.memory_limit_mb)
+    executor = tool_executor(plugins.tool_registry, config.tools)
     resume_from = resume_path(config)
     start_step = checkpoint.load(resume_from, student, world)["step"] if resume_from else 0
     log = MetricsLog(config.run_dir, enabled=world.is_main, resume_step=start_step,

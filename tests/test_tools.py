@@ -1,5 +1,6 @@
 """Tool calls: parsing, schema validation, the sandboxed executor, and the toy-world tools."""
 
+import contextlib
 import json
 import os
 import signal
@@ -276,24 +277,39 @@ def _wait_until_dead(pid: int) -> None:
         time.sleep(0.01)
 
 
+def _worker_processes(executor) -> set[int]:
+    """Every process of the idle workers: the launchers and the zygotes they forked."""
+    pids, stack = set(), executor.pids()
+    while stack:
+        pid = stack.pop()
+        pids.add(pid)
+        with contextlib.suppress(FileNotFoundError):
+            stack += map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return pids
+
+
 def test_idle_worker_killed_between_batches_is_replaced(executor):
-    pids = {int(r.content) for r in executor.run_batch([[_call("pid")] * 8])[0]}
+    executor.run_batch([[_call("pid")] * 8])
+    pids = _worker_processes(executor)
+    assert len(pids) == 4  # a launcher and a zygote per worker
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+    for pid in pids:
         _wait_until_dead(pid)
     results = executor.run_batch([[_call("pid")] * 4])[0]
     assert [r.status for r in results] == ["ok"] * 4, results
-    assert not pids & {int(r.content) for r in results}
+    assert not pids & set(executor.pids())
 
 
 def test_slurm_warning_signal_does_not_kill_workers(executor):
     """Slurm's USR1 reaches every process of the job step, tool workers included."""
-    pids = {int(r.content) for r in executor.run_batch([[_call("pid")] * 8])[0]}
+    executor.run_batch([[_call("pid")] * 8])
+    pids = _worker_processes(executor)
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
     results = executor.run_batch([[_call("pid")] * 8])[0]
     assert [r.status for r in results] == ["ok"] * 8, results
-    assert {int(r.content) for r in results} == pids  # the same workers, none replaced
+    assert _worker_processes(executor) == pids  # the same workers, none replaced
 
 
 def test_runs_from_threads(executor):
@@ -317,7 +333,9 @@ def test_runs_from_threads(executor):
 
 def test_close_stops_the_workers():
     pool = ToolExecutor(_registry(), timeout_s=TIMEOUT_S, num_workers=2)
-    pids = {int(r.content) for r in pool.run_batch([[_call("pid")] * 6])[0]}
+    pool.run_batch([[_call("pid")] * 6])
+    pids = pool.pids()
+    assert len(pids) == 2
     pool.close()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
