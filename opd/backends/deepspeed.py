@@ -82,6 +82,7 @@ class DeepSpeedStudent(StudentEngine):
         self.world = world
         # Loaded in fp32: DeepSpeed keeps the fp32 master copy and casts to bf16 itself.
         self.hf_model, precision = load_student_model(config, world)
+        self.dtype = precision.dtype  # of the exported student
         ds_config = zero3_config(
             read_json_config(config.student.deepspeed_config, "student.deepspeed_config"),
             world_size=world.world_size, bf16=precision.dtype == torch.bfloat16,
@@ -148,7 +149,7 @@ class DeepSpeedStudent(StudentEngine):
     def export_hf(self, directory: Path) -> None:
         state = self.engine._zero3_consolidated_16bit_state_dict()
         if self.world.is_main:
-            save_hf(self.hf_model, state, directory)
+            save_hf(self.hf_model, state, directory, self.dtype)
 
 
 def _detach_zero3_hooks(offload) -> None:
