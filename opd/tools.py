@@ -53,16 +53,38 @@ ToolCallParser = Callable[[str], list[ToolCall]]
 # Same shape as vLLM's Hermes parser: a final <tool_call> without its closing tag still counts,
 # because a student that stops right after the JSON meant the call.
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_THINK_TAG = re.compile(r"<think>|</think>")
+
+
+def _outside_think(text: str) -> str:
+    """`text` without its reasoning: `<think>...</think>` blocks, and everything after a `<think>`
+    that is never closed. A `</think>` with no opening tag ends reasoning that the prompt opened
+    (templates that end the generation prompt with `<think>`), so all before it is dropped too."""
+    kept, start, thinking = [], 0, False
+    for tag in _THINK_TAG.finditer(text):
+        if tag.group() == "<think>" and not thinking:
+            kept.append(text[start:tag.start()])
+            thinking = True
+        elif tag.group() == "</think>":
+            if not thinking:
+                kept = []
+            thinking = False
+            start = tag.end()
+    if not thinking:
+        kept.append(text[start:])
+    return "".join(kept)
 
 
 def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
     """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order.
 
-    Arguments may be an object or a JSON string holding one, and default to {} when absent (as
-    in the seed). A malformed call comes back with `error` set; nothing raises.
+    Calls are read only outside `<think>` reasoning: a thought that mentions `<tool_call>` is not a
+    call, and must not swallow the real call after it. Arguments may be an object or a JSON string
+    holding one, and default to {} when absent (as in the seed). A malformed call comes back with
+    `error` set; nothing raises.
     """
     calls = []
-    for match in _HERMES_CALL.finditer(text):
+    for match in _HERMES_CALL.finditer(_outside_think(text)):
         closed = match.group(1) is not None
         call = _parse_call_json(match.group(1) if closed else match.group(2), match.group(0))
         if call.error and not closed:

@@ -81,16 +81,28 @@ def compact_tokenizer():
 
 
 def build_tiny_model(tokenizer, save_dir: Path, *, architecture: str = "qwen2", seed: int = 0,
-                     hidden_size: int = 32, num_layers: int = 2):
-    """A tiny causal LM for `tokenizer`, saved with `save_pretrained` and loaded back by path."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+                     hidden_size: int = 32, num_layers: int = 2, vocab_size: int | None = None,
+                     tie_word_embeddings: bool = False):
+    """A tiny causal LM for `tokenizer`, saved with `save_pretrained` and loaded back by path.
 
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[architecture]
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden_size,
+    `vocab_size` defaults to the tokenizer's length; real checkpoints pad it (Qwen3: 151,936).
+    """
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[architecture]
+    # Qwen3 sets head_dim apart from hidden / heads; 32 keeps its q/k RMSNorm realistic.
+    shape = {"head_dim": 32} if architecture == "qwen3" else {}
+    config = config_cls(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size,
                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                        num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=4096, tie_word_embeddings=False,
+                        num_attention_heads=4, num_key_value_heads=2, **shape,
+                        max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -106,3 +118,21 @@ def build_tiny_model(tokenizer, save_dir: Path, *, architecture: str = "qwen2", 
 @pytest.fixture(scope="session")
 def tiny_model(qwen3_tokenizer, tmp_path_factory):
     return build_tiny_model(qwen3_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def real_qwen3_tokenizer():
+    """The real Qwen3 tokenizer (151,669 tokens), built offline and cached (tests/qwen3_tokenizer.py)."""
+    from qwen3_tokenizer import load_qwen3_tokenizer
+    return load_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(real_qwen3_tokenizer, tmp_path_factory) -> Path:
+    """A random 2-layer Qwen3 with the real tokenizer and Qwen3's padded 151,936-row vocabulary."""
+    from qwen3_tokenizer import QWEN3_VOCAB_SIZE
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    build_tiny_model(real_qwen3_tokenizer, path, architecture="qwen3", hidden_size=64,
+                     vocab_size=QWEN3_VOCAB_SIZE)
+    return path

@@ -9,6 +9,7 @@ only while the root forward (and its backward) runs.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -128,11 +129,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def save_hf(model: nn.Module, root_state: dict, directory: Path) -> None:
-    """`save_pretrained` from a consolidated state dict of the `DistillModule` root."""
+def save_hf(model: nn.Module, root_state: dict, directory: Path, dtype: torch.dtype) -> None:
+    """`save_pretrained` from a consolidated state dict of the `DistillModule` root, in the
+    training precision `dtype`: the consolidated state (FSDP's fp32 master) and the live model
+    (loaded in fp32) would otherwise make a bf16 student twice its size on disk."""
     prefix = "model."
-    model.save_pretrained(directory, state_dict={name[len(prefix):]: tensor
-                                                 for name, tensor in root_state.items()})
+    model.save_pretrained(directory, state_dict={
+        name[len(prefix):]: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in root_state.items()})
+    # save_pretrained records the live model's dtype; config.json must say what the files hold.
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    config.save_pretrained(directory)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ class DeepSpeedStudent(StudentEngine):
         self.world = world
         # Loaded in fp32: DeepSpeed keeps the fp32 master copy and casts to bf16 itself.
         self.hf_model, precision = load_student_model(model_path, student, world)
+        self.dtype = precision.dtype  # of the exported student
         ds_config = zero3_config(
             read_json_config(student.deepspeed_config, "student.deepspeed_config"),
             world_size=world.world_size, bf16=precision.dtype == torch.bfloat16,
@@ -160,5 +161,5 @@ class DeepSpeedStudent(StudentEngine):
     def export_hf(self, directory: Path) -> None:
         state = consolidated_state_dict(self.engine)
         if self.world.is_main:
-            save_hf(self.hf_model, state, directory)
+            save_hf(self.hf_model, state, directory, self.dtype)
 

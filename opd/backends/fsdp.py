@@ -44,6 +44,7 @@ class FSDPStudent(StudentEngine):
 
         self.world = world
         self.hf_model, precision = load_student_model(model_path, student, world)
+        self.dtype = precision.dtype  # of the exported student
         mesh = init_device_mesh(world.device.type, (world.world_size,))
         # On a CPU-only host everything already lives in host memory.
         offload = "cpu" in (student.offload_optimizer, student.offload_param) \
@@ -131,4 +132,4 @@ class FSDPStudent(StudentEngine):
         state = get_model_state_dict(
             self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.world.is_main:
-            save_hf(self.hf_model, state, directory)
+            save_hf(self.hf_model, state, directory, self.dtype)
