@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import TypeVar
 
 from opd.config import Config, OptimConfig
+
+Record = TypeVar("Record")  # a dataset record or an already rendered trajectory
 
 
 def schedule_factor(step: int, total_steps: int, warmup_steps: int, schedule: str,
@@ -32,8 +35,8 @@ def learning_rate(step: int, optim: OptimConfig, total_steps: int) -> float:
                                       optim.min_lr_ratio)
 
 
-def step_records(records: Sequence[dict], step: int, config: Config, rank: int, world_size: int,
-                 orders: dict[int, list[int]]) -> list[dict]:
+def step_records(records: Sequence[Record], step: int, config: Config, rank: int,
+                 world_size: int, orders: dict[int, list[int]]) -> list[Record]:
     """This rank's share of step `step`'s records: a seeded shuffle per epoch, dealt round-robin.
 
     `orders` caches each epoch's order (epoch -> shuffled indices) between calls.

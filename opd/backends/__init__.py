@@ -51,6 +51,7 @@ class DistillModule(nn.Module):
         hidden_1NH = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                               use_cache=False).last_hidden_state
         hidden_NH = hidden_1NH[0]
+        assert head_loss is not None, "a training forward needs head_loss"
         loss_sum, count = head_loss(hidden_NH, self.head.weight, self.head.bias)
         if not loss_sum.requires_grad or count.item() == 0:
             # A micro-batch without targets must still send a (zero) gradient to every
