@@ -253,3 +253,33 @@ def test_a_busy_rendezvous_port_is_named(world_dir, tmp_path):
     assert result.returncode != 0
     assert f"error: MASTER_PORT {port} is not free on this host" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, tmp_path, signum):
+    from opd import checkpoint
+
+    run_dir = tmp_path / "run"
+    env = dict(_env(), SLURM_NNODES="1", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    env.pop("SLURM_JOB_ID", None)
+    with (tmp_path / "log").open("w") as log:
+        node = subprocess.Popen(["bash", "launch/slurm/node.sh", "2", sys.executable,
+                                 "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+                                 f"logging.run_dir={run_dir}", *LONG_RUN],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    below = []
+    try:
+        _wait_for_step(run_dir, [node])
+        below = _descendants(node.pid)
+        node.send_signal(signum)  # to the node launcher only, not to its process group
+        assert node.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        for proc in [node, *below]:
+            try:
+                proc.kill()
+            except Exception:  # gone already
+                pass
+    assert "Stopped" in (tmp_path / "log").read_text()
+    saved = checkpoint.latest(run_dir / "checkpoints")
+    assert saved is not None and saved.name != "step-00000500"
