@@ -10,6 +10,11 @@ stop after the same step even when only some were signalled, and writes a checkp
 - SIGTERM: the run ends there, not requeued. It is what `scancel` sends, and a job that requeued
   itself on it could never be cancelled; a cluster that preempts with PreemptMode=REQUEUE
   requeues the job itself, and the new start resumes from the checkpoint all the same.
+A launcher that dies under its ranks (the `deepspeed` runner on SIGTERM, or torchrun or
+deepspeed's launcher on SIGUSR1, whose default action kills them) would leave the ranks training
+on, detached. So `install()` also watches the launcher processes above a rank (a pidfd each; only
+under torchrun or deepspeed, not under a shell, where `nohup` is legitimate) and treats their exit
+as SIGTERM: checkpoint at the next step boundary, end.
 A rank that cannot reach a step boundary in time is ended by SIGKILL, from its launcher (torchrun
 waits 30 s after forwarding SIGTERM) or from Slurm (KillWait); the checkpoint it was writing, if
 any, stays invisible to resume (opd.checkpoint writes atomically).
@@ -18,9 +23,12 @@ any, stays invisible to resume (opd.checkpoint writes atomically).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +36,7 @@ import torch.distributed as dist
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 _received: list[str] = []  # names of the stop signals this process got, in order
+LAUNCHER_EXITED = "launcher exited"  # recorded like a signal name; stops as SIGTERM does
 
 
 def _on_signal(signum: int, frame) -> None:
@@ -40,6 +49,56 @@ def install(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         signal.signal(signum, _on_signal)
         # Restart interrupted system calls: a signal must not fail a collective in flight.
         signal.siginterrupt(signum, False)
+    _watch_launchers()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent_of(pid: int) -> int:
+    try:  # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def launchers() -> list[int]:
+    """The launcher processes above this rank: torchrun's agent; or deepspeed's per-node launcher
+    and, above it, the `deepspeed` runner. None when started by a shell, srun or by hand."""
+    parent = os.getppid()
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return [parent]
+    if "deepspeed.launcher.launch" in _cmdline(parent):
+        runner = _parent_of(parent)
+        return [parent, runner] if "deepspeed" in _cmdline(runner) else [parent]
+    return []
+
+
+def _watch_launchers() -> None:
+    """A daemon thread that records LAUNCHER_EXITED once any launcher above this rank exits."""
+    pids = launchers()
+    if not pids:
+        return
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:  # gone already: a pidfd of it would never become readable
+            fds = []
+            break
+
+    def watch() -> None:
+        if fds:
+            select.select(fds, [], [])  # a pidfd turns readable when its process exits
+        _received.append(LAUNCHER_EXITED)
+        print(f"opd: rank {os.environ.get('RANK', '?')}: the launcher exited; stopping after this "
+              "step with a checkpoint.", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="opd-launcher-watch", daemon=True).start()
 
 
 def received() -> str | None:
@@ -53,7 +112,8 @@ REQUEUE, END = "requeue", "end"
 def stop_requested(group=None) -> str | None:
     """None to go on, else how every rank of `group` stops after this step: END when any rank
     got SIGTERM, REQUEUE when any got USR1. Collective: every rank calls it each step."""
-    local = 2.0 if "SIGTERM" in _received else 1.0 if "SIGUSR1" in _received else 0.0
+    ending = "SIGTERM" in _received or LAUNCHER_EXITED in _received
+    local = 2.0 if ending else 1.0 if "SIGUSR1" in _received else 0.0
     if dist.is_available() and dist.is_initialized():
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
@@ -70,7 +130,8 @@ def after_checkpoint(stop: str) -> bool:
     if stop == REQUEUE:
         return requeue()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print("Stopped by SIGTERM after a checkpoint; the job is not requeued (scancel ends it). "
+        print("Stopped by SIGTERM (or the launcher's exit) after a checkpoint; the job is not "
+              "requeued (scancel ends it). "
               "Run or submit the same command again to resume.", file=sys.stderr, flush=True)
     return False
 

@@ -122,3 +122,159 @@ def test_wandb_online_needs_a_key_and_goes_offline_when_its_host_does_not_answer
     (tmp_path / ".netrc").chmod(0o600)
     assert _check(_config(tmp_path, "logging.wandb_mode=online")).logging.wandb_mode == "offline"
     assert f"wandb host 127.0.0.1:{port} is unreachable" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real runs on 2 gloo ranks
+
+sys.path.insert(0, str(REPO / "tests"))
+from dist_scripts.world import build_world  # noqa: E402
+
+LONG_RUN = ["train.steps=500", "checkpoint.every=0", "student.backend=fsdp",
+            "teacher.engine=replicated", "eval.every=0"]
+
+
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("world")
+    build_world(root)
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _wait_for_step(run_dir: Path, procs) -> None:
+    """Until rank 0 logged a step: past loading, in the training loop."""
+    deadline = time.monotonic() + 600
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert all(p.poll() is None for p in procs), "a process ended before step 1"
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.5)
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.parametrize("launcher,signum", [("deepspeed", signal.SIGTERM),
+                                             ("torchrun", signal.SIGUSR1)])
+def test_a_signal_that_kills_the_launcher_stops_its_ranks_with_a_checkpoint(
+        world_dir, tmp_path, launcher, signum):
+    import psutil
+
+    from opd import checkpoint
+
+    run_dir = tmp_path / "run"
+    recipe = ["--recipe", str(world_dir / "recipe.yaml"), f"logging.run_dir={run_dir}", *LONG_RUN]
+    start = {"deepspeed": ["deepspeed", "--num_gpus", "2"],
+             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]}
+    log = (tmp_path / "log").open("w")
+    runner = subprocess.Popen([*start[launcher], "--master_port", str(_free_port()),
+                               "launch/train.py", *recipe], cwd=REPO, env=_env(), stdout=log,
+                              stderr=subprocess.STDOUT)
+    below = []
+    try:
+        _wait_for_step(run_dir, [runner])
+        below = _descendants(runner.pid)
+        assert len([p for p in below if "LOCAL_RANK" in p.environ()]) == 2  # the ranks
+        runner.send_signal(signum)
+        assert runner.wait(timeout=120) != 0  # the signal killed the launcher itself
+        gone, alive = psutil.wait_procs(below, timeout=600)
+        assert not alive, f"orphans left: {alive}"
+    finally:
+        for proc in [runner, *below]:
+            try:
+                proc.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        log.close()
+    output = (tmp_path / "log").read_text()
+    assert "the launcher exited; stopping after this step with a checkpoint" in output, output[-3000:]
+    saved = checkpoint.latest(run_dir / "checkpoints")
+    assert saved is not None and saved.name != "step-00000500"
+    if launcher == "deepspeed":  # the same directory with another config: refused, not resumed
+        again = subprocess.run([sys.executable, "launch/train.py", *recipe, "optim.lr=0.5"],
+                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+        assert again.returncode == 1
+        assert again.stderr.strip().splitlines()[-1].startswith(
+            f"error: logging.run_dir {run_dir} holds another run (optim.lr was 0.01, now 0.5)")
+
+
+def test_a_stopped_rank_fails_the_other_after_the_collective_timeout(world_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(2):
+        logs.append(tmp_path / f"rank{rank}.log")
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+                 f"logging.run_dir={run_dir}", "cluster.collective_timeout_s=3", *LONG_RUN],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        _wait_for_step(run_dir, procs)
+        procs[1].send_signal(signal.SIGSTOP)
+        assert procs[0].wait(timeout=600) != 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    last = logs[0].read_text().strip().splitlines()[-1]
+    assert last.startswith("error: rank 0 waited 3 s (cluster.collective_timeout_s) for a "
+                           "collective: another rank stopped responding"), last
+
+
+def test_a_busy_rendezvous_port_is_named(world_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "launch/train.py",
+             "--recipe", str(world_dir / "recipe.yaml"), f"logging.run_dir={tmp_path / 'run'}"],
+            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert f"error: MASTER_PORT {port} is not free on this host" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, tmp_path, signum):
+    from opd import checkpoint
+
+    run_dir = tmp_path / "run"
+    env = dict(_env(), SLURM_NNODES="1", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    env.pop("SLURM_JOB_ID", None)
+    with (tmp_path / "log").open("w") as log:
+        node = subprocess.Popen(["bash", "launch/slurm/node.sh", "2", sys.executable,
+                                 "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+                                 f"logging.run_dir={run_dir}", *LONG_RUN],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    below = []
+    try:
+        _wait_for_step(run_dir, [node])
+        below = _descendants(node.pid)
+        node.send_signal(signum)  # to the node launcher only, not to its process group
+        assert node.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        for proc in [node, *below]:
+            try:
+                proc.kill()
+            except Exception:  # gone already
+                pass
+    assert "Stopped" in (tmp_path / "log").read_text()
+    saved = checkpoint.latest(run_dir / "checkpoints")
+    assert saved is not None and saved.name != "step-00000500"

@@ -17,6 +17,20 @@ shift 2
 # would be fatal and take the ranks down first. An ignored signal stays ignored across exec, and
 # the ranks install their own handler.
 trap '' USR1
-exec "$python" -m torch.distributed.run --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" \
+"$python" -m torch.distributed.run --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" \
     --nproc_per_node="$procs_per_node" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
-    --max_restarts=0 "$@"
+    --max_restarts=0 "$@" &
+launcher=$!
+
+# USR1 or TERM sent to this script alone (kill, `scancel --batch`) goes on to the ranks, the
+# children of torchrun; they checkpoint at the next step boundary and end, and torchrun with them.
+# (TERM is not sent to torchrun: it would give the ranks only 30 s before killing them.)
+forward() { pkill "-$1" -P "$launcher" || true; }
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+status=0
+while :; do
+    wait "$launcher" && status=0 || status=$?
+    kill -0 "$launcher" 2>/dev/null || break  # else a trapped signal ended `wait` early
+done
+exit "$status"

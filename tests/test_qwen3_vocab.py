@@ -1,0 +1,95 @@
+"""Qwen-family vocabularies padded differently (151,936 vs 152,064 rows, one tokenizer) distil
+over the rows they share, through the trainer's own pieces: check_vocabulary, the student's
+DistillModule root and the fused loss's `vocab_size`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import reference_loss
+from conftest import build_tiny_model
+from opd.backends import DistillModule, load_causal_lm
+from opd.chat import ChatFormat
+from opd.loss import fused_distillation_loss
+from opd.packing import pack_varlen
+from opd.rollout import AgentTrajectory
+from opd.teacher import ReplicatedTeacher, VocabularyError, check_vocabulary
+from qwen3_tokenizer import QWEN3_VOCAB_SIZE
+
+PADDED_VOCAB = 152064  # Qwen2.5-7B+ and some Qwen3 derivatives pad to 152,064 rows
+
+
+def conversation(tokenizer, tools_text: str) -> AgentTrajectory:
+    chat = ChatFormat(tokenizer, {"enable_thinking": True})
+    prompt = chat.prompt_ids([{"role": "user", "content": "What is 12 * 7? 你好 🤖"}], None)
+    turn = chat.encode("<think>\nMultiply.\n</think>\n\n" + tools_text) + [tokenizer.eos_token_id]
+    return AgentTrajectory(prompt + turn, [False] * len(prompt) + [True] * len(turn), 1, 0, False)
+
+
+@pytest.fixture(scope="module")
+def padded_pair(real_qwen3_tokenizer, tmp_path_factory):
+    """Student: 151,936 rows, tied head (as Qwen3-1.7B/4B); teacher: 152,064 rows, untied."""
+    root = tmp_path_factory.mktemp("padded_pair")
+    build_tiny_model(real_qwen3_tokenizer, root / "student", architecture="qwen3",
+                     hidden_size=64, vocab_size=QWEN3_VOCAB_SIZE, tie_word_embeddings=True)
+    build_tiny_model(real_qwen3_tokenizer, root / "teacher", architecture="qwen3", seed=1,
+                     hidden_size=96, vocab_size=PADDED_VOCAB)
+    return root / "student", root / "teacher"
+
+
+def test_padded_vocabularies_distil_over_the_shared_rows(real_qwen3_tokenizer, padded_pair):
+    student_dir, teacher_dir = padded_pair
+    student = load_causal_lm(str(student_dir), torch.float32, "sdpa", "model.student")
+    teacher = ReplicatedTeacher(
+        load_causal_lm(str(teacher_dir), torch.float32, "sdpa", "model.teacher"),
+        torch.device("cpu"))
+    vocab = check_vocabulary(student, teacher.hf_model, real_qwen3_tokenizer, str(teacher_dir))
+    assert vocab == QWEN3_VOCAB_SIZE
+
+    trajectories = [conversation(real_qwen3_tokenizer, "The answer is 84."),
+                    conversation(real_qwen3_tokenizer, "84")]
+    (batch,) = pack_varlen(trajectories, max_tokens=4096)
+    mask = batch.target_mask[0]
+    teacher_hidden = teacher.hidden_states(batch.input_ids, batch.position_ids)
+    root = DistillModule(student)
+    with teacher.lm_head() as (teacher_weight, teacher_bias):
+        def head_loss(hidden, weight, bias):
+            loss = fused_distillation_loss(
+                hidden, weight, teacher_hidden, teacher_weight, mask, student_bias=bias,
+                teacher_bias=teacher_bias, vocab_size=vocab, chunk_size=64,
+                reduction="sum")
+            return loss, mask.sum()
+
+        loss_sum, count = root(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                               head_loss=head_loss)
+    fused = loss_sum / count
+    fused_grads = torch.autograd.grad(fused, list(student.parameters()))
+
+    # Naive: whole [T, V] logits of both models, the teacher's padding rows cut off.
+    # use_cache=False: with a cache, transformers does not split packed rows at position 0.
+    student_logits = student(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                             use_cache=False).logits
+    with torch.no_grad():
+        teacher_logits = teacher.hf_model(input_ids=batch.input_ids, use_cache=False,
+                                          position_ids=batch.position_ids).logits
+    assert student_logits.shape[-1] == vocab and teacher_logits.shape[-1] == PADDED_VOCAB
+    naive = reference_loss.distillation_loss(student_logits, teacher_logits[..., :vocab],
+                                             mask[None])
+    naive_grads = torch.autograd.grad(naive, list(student.parameters()))
+    torch.testing.assert_close(fused, naive, rtol=1e-5, atol=1e-6)
+    for (name, _), got, want in zip(student.named_parameters(), fused_grads, naive_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_named(real_qwen3_tokenizer, padded_pair,
+                                                          tmp_path):
+    student_dir, _ = padded_pair
+    short = build_tiny_model(real_qwen3_tokenizer, tmp_path, architecture="qwen3",
+                             hidden_size=64, vocab_size=151660)  # no room for <think>
+    student = load_causal_lm(str(student_dir), torch.float32, "sdpa", "model.student")
+    teacher_size = re.escape(f"({tmp_path}) is 151660")
+    with pytest.raises(VocabularyError, match=f"151669 tokens .*{teacher_size}"):
+        check_vocabulary(student, short, real_qwen3_tokenizer, str(tmp_path))
