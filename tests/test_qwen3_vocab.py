@@ -7,17 +7,17 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
-
 import reference_loss
+import torch
 from conftest import build_tiny_model
+from qwen3_tokenizer import QWEN3_VOCAB_SIZE
+
 from opd.backends import DistillModule, load_causal_lm
 from opd.chat import ChatFormat
 from opd.loss import fused_distillation_loss
 from opd.packing import pack_varlen
 from opd.rollout import AgentTrajectory
 from opd.teacher import ReplicatedTeacher, VocabularyError, check_vocabulary
-from qwen3_tokenizer import QWEN3_VOCAB_SIZE
 
 PADDED_VOCAB = 152064  # Qwen2.5-7B+ and some Qwen3 derivatives pad to 152,064 rows
 
