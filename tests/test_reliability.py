@@ -5,7 +5,12 @@ rank that stops responding (docs/reliability.md)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,7 +131,6 @@ def test_wandb_online_needs_a_key_and_goes_offline_when_its_host_does_not_answer
 
 # ---------------------------------------------------------------- real runs on 2 gloo ranks
 
-sys.path.insert(0, str(REPO / "tests"))
 from dist_scripts.world import build_world  # noqa: E402
 
 LONG_RUN = ["train.steps=500", "checkpoint.every=0", "student.backend=fsdp",

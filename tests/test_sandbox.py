@@ -86,14 +86,14 @@ def test_close_and_trainer_death_end_every_worker_process(tmp_path):
     token = f"opd-test-{uuid.uuid4()}"
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
         import test_sandbox
         from opd.tools import ToolCall, ToolExecutor
         pool = ToolExecutor(test_sandbox._registry(), timeout_s=3600, num_workers=1)
         pool.run_batch([[ToolCall("spawn", {{"token": {token!r}, "wait": True}})]])
     """))
-    trainer = subprocess.Popen([sys.executable, str(script)])
+    tests_dir = str(Path(__file__).parent)
+    trainer = subprocess.Popen([sys.executable, str(script)], env={
+        **os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, os.environ["PYTHONPATH"]])})
     try:
         deadline = time.monotonic() + WAIT_S
         while len(_with_token(token)) < 2 and time.monotonic() < deadline:
