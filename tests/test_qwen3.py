@@ -15,10 +15,11 @@ import torch
 from scripted_model import ScriptedPolicy
 
 from opd.chat import ChatFormat
-from opd.eval import evaluate, greedy_rollout_config
+from opd.eval import evaluate, greedy
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor, builtin_registry, parse_hermes_tool_calls
+from opd.tools import ToolExecutor, parse_hermes_tool_calls
+from worlds.toolcalc.tools import registry as toolcalc_registry
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 ASSISTANT = "<|im_start|>assistant\n"
@@ -44,13 +45,13 @@ def turns(thinking: bool) -> list[str]:
 
 @pytest.fixture(scope="module")
 def executor():
-    with ToolExecutor(builtin_registry(), timeout_s=5.0) as pool:
+    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
         yield pool
 
 
 @pytest.fixture(scope="module")
 def tools():
-    return builtin_registry().schemas
+    return toolcalc_registry().schemas
 
 
 def chat_for(tokenizer, thinking: bool) -> ChatFormat:
@@ -180,7 +181,7 @@ def test_packed_qwen3_forward_equals_unpacked(real_qwen3_tokenizer, tiny_qwen3_d
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_eval_scores_qwen3_conversations(real_qwen3_tokenizer, tools, executor, thinking):
-    from recipes.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
+    from worlds.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
 
     tasks = [next(t for t in generate_tasks(80, 7) if t.family == "two_hop")]
 
@@ -196,7 +197,7 @@ def test_eval_scores_qwen3_conversations(real_qwen3_tokenizer, tools, executor, 
     policy = ScriptedPolicy(real_qwen3_tokenizer, {t.question: oracle(t) for t in tasks},
                             real_qwen3_tokenizer.eos_token_id,
                             ASSISTANT if thinking else ASSISTANT + EMPTY_THINK)
-    cfg = greedy_rollout_config(max_new_tokens=96, max_total_len=4096, batch_size=1)
+    cfg = greedy(RolloutConfig(max_new_tokens=96, max_total_len=4096, batch_size=1))
     metrics = evaluate(policy, chat, executor, [task_record(t) for t in tasks], check_answer, cfg)
     assert metrics["success_rate"] == 1.0 and metrics["tool_call_validity"] == 1.0
     assert metrics["truncation_rate"] == 0.0

@@ -14,10 +14,13 @@ from qwen3_tokenizer import QWEN3_VOCAB_SIZE
 
 from opd.backends import DistillModule, load_causal_lm
 from opd.chat import ChatFormat
+from opd.config import ModelConfig
+from opd.errors import VocabularyError
+from opd.inputs import check_vocabulary
 from opd.loss import fused_distillation_loss
 from opd.packing import pack_varlen
 from opd.rollout import AgentTrajectory
-from opd.teacher import ReplicatedTeacher, VocabularyError, check_vocabulary
+from opd.teacher import ReplicatedTeacher
 
 PADDED_VOCAB = 152064  # Qwen2.5-7B+ and some Qwen3 derivatives pad to 152,064 rows
 
@@ -46,7 +49,8 @@ def test_padded_vocabularies_distil_over_the_shared_rows(real_qwen3_tokenizer, p
     teacher = ReplicatedTeacher(
         load_causal_lm(str(teacher_dir), torch.float32, "sdpa", "model.teacher"),
         torch.device("cpu"))
-    vocab = check_vocabulary(student, teacher.hf_model, real_qwen3_tokenizer, str(teacher_dir))
+    vocab = check_vocabulary(ModelConfig(student=str(student_dir), teacher=str(teacher_dir)),
+                             real_qwen3_tokenizer)
     assert vocab == QWEN3_VOCAB_SIZE
 
     trajectories = [conversation(real_qwen3_tokenizer, "The answer is 84."),
@@ -89,7 +93,8 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_named(real_qwen3_tokenizer, 
     student_dir, _ = padded_pair
     short = build_tiny_model(real_qwen3_tokenizer, tmp_path, architecture="qwen3",
                              hidden_size=64, vocab_size=151660)  # no room for <think>
-    student = load_causal_lm(str(student_dir), torch.float32, "sdpa", "model.student")
-    teacher_size = re.escape(f"({tmp_path}) is 151660")
-    with pytest.raises(VocabularyError, match=f"151669 tokens .*{teacher_size}"):
-        check_vocabulary(student, short, real_qwen3_tokenizer, str(tmp_path))
+    del short
+    teacher_size = re.escape(f"model.teacher: the vocabulary of {tmp_path} has 151660 entries")
+    with pytest.raises(VocabularyError, match=f"{teacher_size}, fewer than the 151669 tokens"):
+        check_vocabulary(ModelConfig(student=str(student_dir), teacher=str(tmp_path)),
+                         real_qwen3_tokenizer)
