@@ -1,10 +1,28 @@
-"""Per-rank memory of the student's and the teacher's model states, for `--dry-run`.
+"""Per-rank memory of the student and the teacher, for `--dry-run`.
 
-Sizes come from each model's config, built on the meta device: nothing is loaded.
+Sizes come from each model's config (parameters counted on the meta device: nothing is loaded).
+Every figure is a product a reader can redo by hand (docs/qwen3.md works one through), with c the
+compute dtype's bytes (bf16 2, fp32 4), W the ranks and T = train.micro_batch_tokens:
+
+  model states   N x (params + grads + Adam bytes) / W          (see `student_memory`)
+  gathered       2 x largest layer (or lm_head) x c              (the gathered and the prefetched)
+  activations    T x L x layer_bytes, or with gradient checkpointing T x (L x H x c + layer_bytes)
+                 layer_bytes = c x (4 H + 2 Q + 2 KV + 3 I): per token, a decoder layer keeps its
+                 two norm inputs and residuals (4 H), q and the attention output (2 Q), k and v
+                 (2 KV) and the MLP's gate, up and their product (3 I); Q, KV = heads, kv heads x
+                 head_dim. Attention is flash / SDPA: no T x T term.
+  loss           3 [chunk, V] fp32 buffers (4 for jsd) + the lm_head's fp32 gradient V x H x 4
+                 (opd.loss), chunk = loss.chunk_size or max(128, 12,582,912 // V)
+  rollout        the whole student x c (gather once) + KV cache B x S x L x 2 KV x c
+                 (B = rollout.batch_size, S = rollout.max_total_len)
+  teacher        N_t x c_t / W (replicated: N_t x c_t; tensor_parallel: (N_t - E_t) x c_t / W +
+                 E_t x c_t, AutoTP keeps the input embedding E_t = V x H whole on every rank)
+                 + largest layer x c_t + T x layer_bytes_t (no grad: one layer at a time)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,18 +30,46 @@ import torch
 from opd.backends import decoder_layers, resolve_precision
 
 
-def _count(path: str) -> tuple[int, int] | None:
-    """(total parameters, largest decoder layer) of a model directory, built on the meta device."""
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    largest_layer: int  # parameters of the largest decoder layer or of the lm_head
+    layers: int  # L
+    hidden: int  # H
+    q_dim: int  # Q = attention heads x head_dim
+    kv_dim: int  # KV = key/value heads x head_dim
+    intermediate: int  # I
+    vocab: int  # V, the lm_head's rows
+    embedding: int  # parameters of the input embedding
+    kv_heads: int
+
+    def layer_bytes(self, compute: int) -> int:
+        """Activation bytes one decoder layer keeps per token for backward (module docstring)."""
+        return compute * (4 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim
+                          + 3 * self.intermediate)
+
+
+def model_shape(path: str) -> ModelShape | None:
+    """The shape of a model directory (config.json alone is enough), or None when absent."""
     if not (Path(path) / "config.json").is_file():
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    total = sum(p.numel() for p in model.parameters())
-    largest = max([sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
-                  + [model.get_output_embeddings().weight.numel()])
-    return total, largest
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings().weight
+    layers = list(decoder_layers(model))
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        largest_layer=max([sum(p.numel() for p in layer.parameters()) for layer in layers]
+                          + [head.numel()]),
+        layers=len(layers), hidden=config.hidden_size, q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim, intermediate=config.intermediate_size, vocab=head.shape[0],
+        embedding=model.get_input_embeddings().weight.numel(), kv_heads=kv_heads)
 
 
 def _size(num_bytes: float) -> str:
@@ -55,42 +101,95 @@ def student_memory(parameters: int, largest_layer: int, world_size: int, *, bf16
             "gather_once": parameters * compute}
 
 
+def activation_bytes(shape: ModelShape, tokens: int, compute: int, checkpointing: bool) -> int:
+    """Activations the student keeps for the backward of one packed micro-batch."""
+    if checkpointing:  # layer inputs kept; one layer's intermediates recomputed at a time
+        return tokens * (shape.layers * shape.hidden * compute + shape.layer_bytes(compute))
+    return tokens * shape.layers * shape.layer_bytes(compute)
+
+
+def loss_chunk_rows(vocab: int, chunk_size: int) -> int:
+    from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
+    return chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
+
+
+def loss_bytes(shape: ModelShape, chunk_rows: int, direction: str) -> tuple[int, int]:
+    """(the fused loss's fp32 [chunk, V] buffers, its fp32 lm_head gradient [V, H])."""
+    buffers = 4 if direction == "jsd" else 3
+    return buffers * chunk_rows * shape.vocab * 4, shape.vocab * shape.hidden * 4
+
+
+def kv_cache_bytes(shape: ModelShape, batch: int, length: int, compute: int) -> int:
+    return batch * length * shape.layers * 2 * shape.kv_dim * compute
+
+
 def _missing(role: str, path: str) -> str:
     return f"{role}: {path} not found (the recipe's prepare step has not built it yet)"
 
 
 def memory_estimate(config, world_size: int, device: str) -> list[str]:
-    """Lines of per-rank model-state memory for the student and the teacher (dry run)."""
-    def bf16(precision: str) -> bool:
-        return resolve_precision(precision, "sdpa", torch.device(device)).dtype == torch.bfloat16
+    """Lines of per-rank memory for the student and the teacher (dry run)."""
+    def compute_bytes(precision: str) -> int:
+        dtype = resolve_precision(precision, "sdpa", torch.device(device)).dtype
+        return 2 if dtype == torch.bfloat16 else 4
 
     lines = []
-    student = _count(config.model.student)
+    tokens = config.train.micro_batch_tokens
+    student, teacher = model_shape(config.model.student), model_shape(config.model.teacher)
+    train_peak = rollout_peak = 0.0
     if student is None:
         lines.append(_missing("student", config.model.student))
     else:
-        n, largest = student
-        mixed = bf16(config.student.precision)
+        n, c = student.parameters, compute_bytes(config.student.precision)
         lines.append(f"student: {n / 1e6:.1f}M parameters, {config.student.backend} sharded over "
-                     f"{world_size} ranks, {'bf16' if mixed else 'fp32'}")
+                     f"{world_size} ranks, {'bf16' if c == 2 else 'fp32'}")
         for offload in ("none", "cpu"):
-            m = student_memory(n, largest, world_size, bf16=mixed,
+            m = student_memory(n, student.largest_layer, world_size, bf16=c == 2,
                                backend=config.student.backend, offload_optimizer=offload)
-            chosen = " (chosen)" if offload == config.student.offload_optimizer else ""
-            lines.append(f"  optimizer offload {offload}{chosen}: params {_size(m['params'])} + "
-                         f"grads {_size(m['grads'])} + Adam {_size(m['optimizer'])} -> device "
-                         f"{_size(m['device'])}, host {_size(m['host'])} per rank")
-        lines.append(f"  rollout gather-once holds the whole student: +{_size(m['gather_once'])} "
-                     "on device (student.generation_gather=per_step if that does not fit)")
-    teacher = _count(config.model.teacher)
+            chosen = offload == config.student.offload_optimizer
+            lines.append(f"  optimizer offload {offload}{' (chosen)' if chosen else ''}: params "
+                         f"{_size(m['params'])} + grads {_size(m['grads'])} + Adam "
+                         f"{_size(m['optimizer'])} -> device {_size(m['device'])}, host "
+                         f"{_size(m['host'])} per rank")
+            if chosen:
+                states, gather_once = m["device"], m["gather_once"]
+        checkpointing = config.student.gradient_checkpointing
+        activations = activation_bytes(student, tokens, c, checkpointing)
+        rows = loss_chunk_rows(student.vocab, config.loss.chunk_size)
+        buffers, head_grad = loss_bytes(student, rows, config.loss.direction)
+        lines.append(f"  one micro-batch of {tokens} tokens: activations {_size(activations)} "
+                     f"(gradient checkpointing {'on' if checkpointing else 'off'}) + loss "
+                     f"{_size(buffers)} ([{rows}, {student.vocab}] fp32 buffers) + lm_head fp32 "
+                     f"gradient {_size(head_grad)}")
+        kv = kv_cache_bytes(student, config.rollout.batch_size, config.rollout.max_total_len, c)
+        lines.append(f"  rollout gather-once holds the whole student: +{_size(gather_once)} "
+                     f"on device, + KV cache {_size(kv)} ({config.rollout.batch_size} x "
+                     f"{config.rollout.max_total_len} tokens) (student.generation_gather="
+                     "per_step if that does not fit)")
+        train_peak = states + activations + buffers + head_grad
+        rollout_peak = states + kv + (gather_once if config.student.generation_gather == "once"
+                                      else 2 * student.largest_layer * c)
     if teacher is None:
         lines.append(_missing("teacher", config.model.teacher))
     else:
-        n, largest = teacher
-        b = 2 if bf16(config.teacher.precision) else 4
+        n, b = teacher.parameters, compute_bytes(config.teacher.precision)
         engine = config.teacher.engine
-        share = n * b if engine == "replicated" else n * b / world_size
+        share = {"replicated": n * b, "zero_inference": n * b / world_size,
+                 "tensor_parallel": (n - teacher.embedding) * b / world_size
+                 + teacher.embedding * b}[engine]
         where = {"cpu": "host", "nvme": "NVMe"}.get(config.teacher.offload_param, "device")
+        gathered, activations = teacher.largest_layer * b, tokens * teacher.layer_bytes(b)
         lines.append(f"teacher: {n / 1e6:.1f}M parameters, {engine}: {_size(share)} per rank on "
-                     f"{where}, + {_size(largest * b)} for the largest gathered layer or lm_head")
+                     f"{where}, + {_size(gathered)} for the largest gathered layer or lm_head, + "
+                     f"activations {_size(activations)} (one layer, {tokens} tokens, no grad)")
+        if engine == "tensor_parallel" and world_size > teacher.kv_heads:
+            lines.append(f"  AutoTP splits attention by KV heads: {teacher.kv_heads} over "
+                         f"{world_size} ranks leaves {world_size - teacher.kv_heads} ranks without "
+                         "attention weights (uneven memory and compute)")
+        on_device = (share if where == "device" else 0.0) + gathered
+        train_peak += on_device + activations
+        rollout_peak += share if where == "device" else 0.0
+    if student is not None and teacher is not None:
+        lines.append(f"device peak per rank: training {_size(train_peak)}, rollout "
+                     f"{_size(rollout_peak)}")
     return lines
