@@ -26,6 +26,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _reference_loss():
+    """The seed's loss, kept as the tests' reference (tests/reference_loss.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference_loss",
+                                                  ROOT / "tests" / "reference_loss.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.distillation_loss
+
 CASES = ("seed", "ours_logits", "ours_fused", "ours_fused_top64", "liger", "liger_compiled")
 # Peak extra bytes per [T, V] fp32 element, measured at the default size (seed 2.8 GB,
 # ours_logits 1.7 GB over 0.54 GB of logits); used only to skip cases that cannot fit.

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-
 
 from opd.chat import ChatFormat
 from opd.rollout import RolloutConfig, rollout

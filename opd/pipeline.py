@@ -144,6 +144,6 @@ def dry_run(config: Config, plugins: Plugins) -> str:
         f"{config.train.prompts_per_step} prompts per step "
         f"(~{-(-config.train.prompts_per_step // world)} per rank)",
         f"teacher: {config.teacher.engine}, {teacher_layout}",
-        "memory per rank (model states, estimate):",
+        "memory per rank (estimate; terms in opd/backends/memory.py):",
         *(f"  {line}" for line in memory_estimate(config, world, device)),
     ])

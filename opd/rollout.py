@@ -68,11 +68,18 @@ class _Sampler:
     truncation: the distribution the loss sees, not the truncated proposal.
     """
 
-    def __init__(self, cfg: RolloutConfig, generator: torch.Generator):
-        self.cfg, self.generator = cfg, generator
+    def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
+                 vocab_size: int | None = None):
+        self.cfg, self.generator, self.vocab_size = cfg, generator, vocab_size
 
     def __call__(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Rows past the shared vocabulary are embedding padding (Qwen: 151,936 vs 152,064): an
+        # id there has no row in the teacher and no text in the tokenizer, so it is never drawn.
+        logits_BV = logits_BV[:, :self.vocab_size]
         logprobs_BV = torch.log_softmax(logits_BV.float() / self.cfg.temperature, dim=-1)
+        if self.cfg.top_k == 1:  # greedy: no sampling over the whole vocabulary
+            tokens_B = logprobs_BV.argmax(-1)
+            return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
         filtered_BV = logprobs_BV
         if self.cfg.top_k and self.cfg.top_k < filtered_BV.shape[-1]:
             kth = torch.topk(filtered_BV, self.cfg.top_k, dim=-1).values[:, -1:]
@@ -268,19 +275,20 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 @torch.no_grad()
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
-            sync: Callable[[bool], bool] | None = None) -> list[AgentTrajectory]:
+            sync: Callable[[bool], bool] | None = None,
+            vocab_size: int | None = None) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts` (dataset records with `messages`, `tools`).
 
     Deterministic for a fixed seed, prompts and batch size. `sync(has_work) -> any_has_work`
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
-    work is done.
+    work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
     """
     cfg.validate()
     parser = parser or parse_hermes_tool_calls
     module = getattr(model, "module", model)
     device = next(module.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    sampler = _Sampler(cfg, generator)
+    sampler = _Sampler(cfg, generator, vocab_size)
     rows = [_new_row(chat, prompt, i, cfg) for i, prompt in enumerate(prompts)]
     batches = [_BatchRollout(model, chat, executor, parser, cfg, rows[i:i + cfg.batch_size],
                              sampler, device) for i in range(0, len(rows), cfg.batch_size)]

@@ -166,7 +166,8 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool]:
     with run.student.generation_context(gather) as model:
         trajectories = rollout(model, run.inputs.chat, run.executor, prompts, config.rollout,
                                seed=rollout_seed(config, step, world.rank),
-                               parser=run.plugins.parser, sync=sync)
+                               parser=run.plugins.parser, sync=sync,
+                               vocab_size=run.inputs.vocab_size)
     return trajectories, False
 
 

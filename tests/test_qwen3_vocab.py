@@ -98,3 +98,18 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_named(real_qwen3_tokenizer, 
     with pytest.raises(VocabularyError, match=f"{teacher_size}, fewer than the 151669 tokens"):
         check_vocabulary(ModelConfig(student=str(student_dir), teacher=str(tmp_path)),
                          real_qwen3_tokenizer)
+
+
+def test_a_padded_student_never_samples_past_the_shared_vocabulary():
+    """Padding rows get the largest logits here; the sampler must not draw them."""
+    from opd.config import RolloutConfig
+    from opd.rollout import _Sampler
+
+    logits_BV = torch.zeros((4, 12))
+    logits_BV[:, 10:] = 50.0  # padding rows 10, 11
+    for top_k in (0, 1):
+        sampler = _Sampler(RolloutConfig(top_k=top_k), torch.Generator().manual_seed(0),
+                           vocab_size=10)
+        tokens_B, logprobs_B = sampler(logits_BV)
+        assert (tokens_B < 10).all()
+        torch.testing.assert_close(logprobs_B, torch.full((4,), -torch.log(torch.tensor(10.0))))
