@@ -161,6 +161,8 @@ class TeacherConfig:
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str = ""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # tensor_parallel: ranks per teacher copy; 0: the ranks of one node (each node its own copy)
+    tp_size: int = at_least(0, 0)
 
 
 @dataclass

@@ -132,8 +132,10 @@ def dry_run(config: Config, plugins: Plugins) -> str:
     if device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    tp_size = config.teacher.tp_size or per_node
     teacher_layout = {"zero_inference": f"ZeRO-3 partitioned over {world} ranks",
-                      "tensor_parallel": f"tensor parallel, tp_size {world}",
+                      "tensor_parallel": f"tensor parallel, tp_size {tp_size} "
+                                         f"({max(1, world // tp_size)} copies)",
                       "replicated": "one full copy per rank"}[config.teacher.engine]
     return "\n".join([
         to_yaml(config).rstrip(),
@@ -145,5 +147,5 @@ def dry_run(config: Config, plugins: Plugins) -> str:
         f"(~{-(-config.train.prompts_per_step // world)} per rank)",
         f"teacher: {config.teacher.engine}, {teacher_layout}",
         "memory per rank (estimate; terms in opd/backends/memory.py):",
-        *(f"  {line}" for line in memory_estimate(config, world, device)),
+        *(f"  {line}" for line in memory_estimate(config, world, device, tp_size)),
     ])

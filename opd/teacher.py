@@ -25,6 +25,7 @@ from torch import nn
 from opd.backends import load_causal_lm, resolve_precision
 from opd.config import TeacherConfig
 from opd.dist import World
+from opd.errors import ConfigError
 
 
 class TeacherModule(nn.Module):
@@ -104,39 +105,71 @@ class ZeroInferenceTeacher(Teacher):
             yield head.weight, head.bias
 
 
+class _TensorParallelGroup:
+    """DeepSpeed's `mpu` protocol: the group the teacher is sharded over."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
+def tensor_parallel_group(world: World, tp_size: int):
+    """This rank's group of `tp_size` consecutive ranks (every rank creates every group)."""
+    if world.world_size % tp_size:
+        raise ConfigError(f"teacher.tp_size={tp_size} must divide the world size "
+                          f"{world.world_size}.")
+    mine = None
+    for start in range(0, world.world_size, tp_size):
+        ranks = list(range(start, start + tp_size))
+        group = dist.new_group(ranks)
+        if world.rank in ranks:
+            mine = group
+    return mine
+
+
 class TensorParallelTeacher(Teacher):
-    def __init__(self, model: nn.Module, world, dtype: torch.dtype):
+    """AutoTP over groups of `tp_size` ranks (one node's by default: tensor parallelism across
+    nodes would put every layer's all-reduce on the slower inter-node network)."""
+
+    def __init__(self, model: nn.Module, world: World, dtype: torch.dtype, tp_size: int):
         import deepspeed
 
         from opd.dist import init_deepspeed_comm
 
         init_deepspeed_comm(world)
         self.world = world
-        engine = deepspeed.init_inference(_freeze(model),
-                                          tensor_parallel={"tp_size": world.world_size},
-                                          dtype=dtype, replace_with_kernel_inject=False)
+        self.group = tensor_parallel_group(world, tp_size)
+        # Both keys: `mpu` keeps DeepSpeed from making its own group of ranks 0..tp_size-1,
+        # `tp_group` is the one AutoTP slices the weights by.
+        engine = deepspeed.init_inference(
+            _freeze(model), tensor_parallel={"tp_size": tp_size, "tp_group": self.group,
+                                             "mpu": _TensorParallelGroup(self.group)},
+            dtype=dtype, replace_with_kernel_inject=False)
         self.hf_model = engine.module
         self.hf_model.to(world.device)
         self.scorer = TeacherModule(self.hf_model)
 
     @torch.no_grad()
     def hidden_states(self, input_ids_1N, position_ids_1N):
-        # Everyone's micro-batch, padded to the longest, goes through the shared model in rank
-        # order; each rank keeps the rows of its own.
+        # The micro-batch of everyone in the group, padded to the longest, goes through the
+        # shared model in group-rank order; each rank keeps the rows of its own.
+        me = dist.get_rank(self.group)
+        size = dist.get_world_size(self.group)
         local = torch.tensor([input_ids_1N.shape[1]], device=input_ids_1N.device)
-        gathered = [torch.zeros_like(local) for _ in range(self.world.world_size)]
-        dist.all_gather(gathered, local)
+        gathered = [torch.zeros_like(local) for _ in range(size)]
+        dist.all_gather(gathered, local, group=self.group)
         lengths = [int(n) for n in gathered]
-        width = max(lengths)
-        padded = torch.zeros((2, width), dtype=torch.long, device=input_ids_1N.device)
-        padded[0, :lengths[self.world.rank]] = input_ids_1N[0]
-        padded[1, :lengths[self.world.rank]] = position_ids_1N[0]
+        padded = torch.zeros((2, max(lengths)), dtype=torch.long, device=input_ids_1N.device)
+        padded[0, :lengths[me]] = input_ids_1N[0]
+        padded[1, :lengths[me]] = position_ids_1N[0]
         everyone = [torch.zeros_like(padded) for _ in lengths]
-        dist.all_gather(everyone, padded)
+        dist.all_gather(everyone, padded, group=self.group)
         mine = None
         for rank, (rows, n) in enumerate(zip(everyone, lengths)):
             hidden = self.scorer(rows[0:1, :n], rows[1:2, :n])[0]
-            if rank == self.world.rank:
+            if rank == me:
                 mine = hidden
         return mine
 
@@ -167,4 +200,5 @@ def build_teacher(model_path: str, teacher: TeacherConfig, world: World) -> Teac
         return ReplicatedTeacher(model, world.device)
     if teacher.engine == "zero_inference":
         return ZeroInferenceTeacher(model, teacher, world, precision.dtype)
-    return TensorParallelTeacher(model, world, precision.dtype)
+    return TensorParallelTeacher(model, world, precision.dtype,
+                                 teacher.tp_size or world.local_world_size)

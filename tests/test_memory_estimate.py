@@ -46,17 +46,18 @@ def size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.3g} GiB" if num_bytes >= GiB else f"{num_bytes / MiB:.3g} MiB"
 
 
-@pytest.mark.parametrize("recipe, cluster, student, teacher, ranks", [
-    ("qwen3_8b_to_1.7b", "qwen3-8xh100", "Qwen3-1.7B", "Qwen3-8B", 8),
-    ("qwen3_32b_to_4b", "qwen3-4x8xh100", "Qwen3-4B", "Qwen3-32B", 32),
+@pytest.mark.parametrize("recipe, cluster, student, teacher, ranks, per_node", [
+    ("qwen3_8b_to_1.7b", "qwen3-8xh100", "Qwen3-1.7B", "Qwen3-8B", 8, 8),
+    ("qwen3_32b_to_4b", "qwen3-4x8xh100", "Qwen3-4B", "Qwen3-32B", 32, 8),
 ])
 def test_recipe_dry_run_equals_the_hand_formula(tmp_path, recipe, cluster, student, teacher,
-                                                ranks):
+                                                ranks, per_node):
     config = load_config(REPO / "recipes" / f"{recipe}.yaml",
                          REPO / "configs" / "clusters" / f"{cluster}.yaml",
                          [f"model.student={config_only(tmp_path, student)}",
                           f"model.teacher={config_only(tmp_path, teacher)}"])
-    lines = memory_estimate(config, ranks, "cuda")
+    # AutoTP shards the teacher over one node's ranks (teacher.tp_size 0); each node a copy.
+    lines = memory_estimate(config, ranks, "cuda", config.teacher.tp_size or per_node)
     s, t = by_hand(student), by_hand(teacher)
     n, w, tokens = s["n"], ranks, config.train.micro_batch_tokens
     assert config.student.precision == "bf16" and config.student.gradient_checkpointing
@@ -82,7 +83,7 @@ def test_recipe_dry_run_equals_the_hand_formula(tmp_path, recipe, cluster, stude
 
     engine = config.teacher.engine
     share = {"zero_inference": 2 * t["n"] / w,  # AutoTP keeps the input embedding whole
-             "tensor_parallel": 2 * (t["n"] - V * t["h"]) / w + 2 * V * t["h"]}[engine]
+             "tensor_parallel": 2 * (t["n"] - V * t["h"]) / per_node + 2 * V * t["h"]}[engine]
     teacher_activations = tokens * t["act"]
     assert lines[5] == (f"teacher: {t['n'] / 1e6:.1f}M parameters, {engine}: {size(share)} per "
                         f"rank on device, + {size(2 * t['largest'])} for the largest gathered "
@@ -92,4 +93,5 @@ def test_recipe_dry_run_equals_the_hand_formula(tmp_path, recipe, cluster, stude
         + teacher_activations
     rollout = states + 2 * n + kv_cache + share
     assert lines[-1] == f"device peak per rank: training {size(training)}, rollout {size(rollout)}"
-    assert (engine == "tensor_parallel") == any("AutoTP splits attention" in x for x in lines)
+    uneven = engine == "tensor_parallel" and per_node > t["kv_heads"]
+    assert uneven == any("AutoTP splits attention" in x for x in lines)

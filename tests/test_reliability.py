@@ -1,6 +1,6 @@
 """What a run survives: a reused run directory, unwritable directories, wandb without a key or a
 network, a busy rendezvous port, a binary dataset line, a launcher killed under its ranks, and a
-rank that stops responding (docs/reliability.md)."""
+rank that stops responding (the README's "What a run survives")."""
 
 from __future__ import annotations
 

@@ -152,14 +152,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("backend,teacher", [("deepspeed", "zero_inference"),
-                                             ("deepspeed", "tensor_parallel"),
-                                             ("fsdp", "replicated")])
-def test_two_rank_engines_match_one_process_then_train(world_dir, tmp_path, backend, teacher):
+@pytest.mark.parametrize("backend,teacher,tp_size", [("deepspeed", "zero_inference", 0),
+                                                     ("deepspeed", "tensor_parallel", 0),
+                                                     ("deepspeed", "tensor_parallel", 1),
+                                                     ("fsdp", "replicated", 0)])
+def test_two_rank_engines_match_one_process_then_train(world_dir, tmp_path, backend, teacher,
+                                                       tp_size):
+    """tp_size 0: AutoTP over the node's 2 ranks; 1: a tensor-parallel group per rank."""
     out = tmp_path / "figures.json"
     launch("torchrun", "tests/dist_scripts/check_step.py", str(world_dir), str(out),
            f"student.backend={backend}", f"teacher.engine={teacher}",
-           f"logging.run_dir={tmp_path / 'run'}")
+           f"teacher.tp_size={tp_size}", f"logging.run_dir={tmp_path / 'run'}")
     figures = json.loads(out.read_text())
     assert figures["same_rollouts"]  # gathered once == gathered per forward, token for token
     assert figures["micro_batches"] >= 2  # rank 1 ran empty micro-batches to keep in step

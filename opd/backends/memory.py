@@ -127,7 +127,7 @@ def _missing(role: str, path: str) -> str:
     return f"{role}: {path} not found (the recipe's prepare step has not built it yet)"
 
 
-def memory_estimate(config, world_size: int, device: str) -> list[str]:
+def memory_estimate(config, world_size: int, device: str, tp_size: int | None = None) -> list[str]:
     """Lines of per-rank memory for the student and the teacher (dry run)."""
     def compute_bytes(precision: str) -> int:
         dtype = resolve_precision(precision, "sdpa", torch.device(device)).dtype
@@ -175,16 +175,17 @@ def memory_estimate(config, world_size: int, device: str) -> list[str]:
         n, b = teacher.parameters, compute_bytes(config.teacher.precision)
         engine = config.teacher.engine
         share = {"replicated": n * b, "zero_inference": n * b / world_size,
-                 "tensor_parallel": (n - teacher.embedding) * b / world_size
+                 "tensor_parallel": (n - teacher.embedding) * b / (tp_size or world_size)
                  + teacher.embedding * b}[engine]
         where = {"cpu": "host", "nvme": "NVMe"}.get(config.teacher.offload_param, "device")
         gathered, activations = teacher.largest_layer * b, tokens * teacher.layer_bytes(b)
         lines.append(f"teacher: {n / 1e6:.1f}M parameters, {engine}: {_size(share)} per rank on "
                      f"{where}, + {_size(gathered)} for the largest gathered layer or lm_head, + "
                      f"activations {_size(activations)} (one layer, {tokens} tokens, no grad)")
-        if engine == "tensor_parallel" and world_size > teacher.kv_heads:
+        tp = tp_size or world_size
+        if engine == "tensor_parallel" and tp > teacher.kv_heads:
             lines.append(f"  AutoTP splits attention by KV heads: {teacher.kv_heads} over "
-                         f"{world_size} ranks leaves {world_size - teacher.kv_heads} ranks without "
+                         f"{tp} ranks leaves {tp - teacher.kv_heads} ranks without "
                          "attention weights (uneven memory and compute)")
         on_device = (share if where == "device" else 0.0) + gathered
         train_peak += on_device + activations
