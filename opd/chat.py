@@ -4,9 +4,10 @@ The student's sampled token IDs are never re-tokenised, so a conversation is onl
 by appending: the prompt is rendered once through the tokenizer's own template, and each tool
 observation, and each further user turn, is rendered by the *boundary technique* (from the seed):
 render a throwaway assistant turn whose content is a marker, followed by the tool (or user)
-messages and the next generation prompt, and keep only the text after the marker. That text is exactly what the template would put between the
-end of the assistant turn and the next assistant turn, whatever the template does to earlier
-turns (Qwen3 rewrites earlier think blocks; we never re-render history).
+messages and the next generation prompt, and keep only the text after the marker. That text is
+exactly what the template would put between the end of the assistant turn and the next
+assistant turn, whatever the template does to earlier turns (Qwen3 rewrites earlier think
+blocks; we never re-render history).
 """
 
 from __future__ import annotations

@@ -325,6 +325,7 @@ class _BatchRollout:
     def _append_user_turn(self, row: _Row) -> None:
         """The next user message, with the tools offered from its turn on."""
         message, row.next_user = row.next_user, None
+        assert message is not None and row.episode is not None
         row.user_turn += 1
         by_turn = row.tools_by_turn or []
         extra = list(by_turn[row.user_turn] or []) if row.user_turn < len(by_turn) else []

@@ -608,7 +608,7 @@ class ToolExecutor:
                     except (TypeError, ValueError, RecursionError) as exc:
                         error = f"arguments of tool {call.name!r} are not JSON values: {exc}"
                 row.append(self._error(error, "invalid"))
-            results[episode] = row  # type: ignore[assignment]
+            results[episode] = row
         with self._lock:
             self._check_open()
             replies = self._exchange({e: q for e, q in requests.items() if q}, "a tool call")
@@ -707,8 +707,8 @@ class ToolExecutor:
                 if not waiting:
                     return replies
                 ready = multiprocessing.connection.wait(
-                    [episode.worker.conn for episode in waiting],  # type: ignore[union-attr]
-                    timeout=max(min(e.worker.deadline for e in waiting)  # type: ignore[union-attr]
+                    [episode.worker.conn for episode in waiting],
+                    timeout=max(min(e.worker.deadline for e in waiting)
                                 - time.monotonic(), 0.0))
                 for episode in waiting:
                     worker = episode.worker
