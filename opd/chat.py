@@ -2,11 +2,12 @@
 
 The student's sampled token IDs are never re-tokenised, so a conversation is only ever extended
 by appending: the prompt is rendered once through the tokenizer's own template, and each tool
-observation is rendered by the *boundary technique* (from the seed): render a throwaway assistant
-turn whose content is a marker, followed by the tool messages and the next generation prompt, and
-keep only the text after the marker. That text is exactly what the template would put between the
-end of the assistant turn and the next assistant turn, whatever the template does to earlier
-turns (Qwen3 rewrites earlier think blocks; we never re-render history).
+observation, and each further user turn, is rendered by the *boundary technique* (from the seed):
+render a throwaway assistant turn whose content is a marker, followed by the tool (or user)
+messages and the next generation prompt, and keep only the text after the marker. That text is
+exactly what the template would put between the end of the assistant turn and the next
+assistant turn, whatever the template does to earlier turns (Qwen3 rewrites earlier think
+blocks; we never re-render history).
 """
 
 from __future__ import annotations
@@ -83,16 +84,21 @@ class ChatFormat:
 
     def observation_text(self, tool_contents: Iterable[str], tools: Sequence[dict] | None) -> str:
         """What the template puts after an assistant turn: tool responses + next assistant prefix."""
-        messages = [{"role": "assistant", "content": BOUNDARY_MARKER}]
-        messages += [{"role": "tool", "content": content} for content in tool_contents]
-        rendered = self.render(messages, tools, add_generation_prompt=True)
-        _, found, observation = rendered.partition(BOUNDARY_MARKER)
+        return self.context_text([{"role": "tool", "content": content}
+                                  for content in tool_contents], tools)
+
+    def context_text(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> str:
+        """What the template puts after an assistant turn: `messages` (tool responses, a user
+        turn) + the next assistant prefix, by boundary rendering."""
+        rendered = self.render([{"role": "assistant", "content": BOUNDARY_MARKER}, *messages],
+                               tools, add_generation_prompt=True)
+        _, found, context = rendered.partition(BOUNDARY_MARKER)
         if not found:
             raise ChatTemplateError(
                 f"Chat template of {self.name} drops the assistant content marker, so tool "
-                "observations cannot be appended by boundary rendering; use a template that "
-                "keeps assistant message content verbatim.")
-        return observation
+                "observations and user turns cannot be appended by boundary rendering; use a "
+                "template that keeps assistant message content verbatim.")
+        return context
 
     def observation_ids(self, tool_contents: Iterable[str], tools: Sequence[dict] | None,
                         last_token_id: int | None = None) -> list[int]:
@@ -103,7 +109,22 @@ class ChatFormat:
         never duplicated. Raises ChatTemplateError when appending these IDs would differ from
         tokenising the joined text (the observation would merge with the previous token).
         """
-        text = self.observation_text(tool_contents, tools)
+        return self._context_ids(self.observation_text(tool_contents, tools), last_token_id)
+
+    def user_turn_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                      last_token_id: int | None = None) -> list[int]:
+        """Token IDs of a further user turn (`messages`: the user message, or several context
+        messages) appended after a finished assistant turn ending in `last_token_id`, up to the
+        next assistant prefix; by the same boundary rendering and checks as `observation_ids`.
+        `tools`: the tools offered from this turn on."""
+        return self.context_ids(messages, tools, last_token_id)
+
+    def context_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                    last_token_id: int | None = None) -> list[int]:
+        """Token IDs of any messages between two assistant turns (see `observation_ids`)."""
+        return self._context_ids(self.context_text(messages, tools), last_token_id)
+
+    def _context_ids(self, text: str, last_token_id: int | None) -> list[int]:
         if last_token_id in self.stop_token_ids:
             for stop_id in self.stop_token_ids:
                 stop_text = self._token_text(stop_id)
@@ -125,10 +146,10 @@ class ChatFormat:
         joint = self.encode(self._token_text(last_token_id) + text)
         if joint != [last_token_id, *ids]:
             raise ChatTemplateError(
-                f"Chat template of {self.name} is not boundary-safe: its observation text "
+                f"Chat template of {self.name} is not boundary-safe: its boundary text "
                 f"{text[:40]!r} tokenises differently when joined to the previous token "
                 f"{self._token_text(last_token_id)!r}; make the template close the assistant "
-                "turn with a special token (e.g. <|im_end|>) before tool responses.")
+                "turn with a special token (e.g. <|im_end|>) before tool responses and user turns.")
 
 
 # The seed's `tool_observation` executes its own built-in tools when given no executor; those

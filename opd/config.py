@@ -94,6 +94,9 @@ class RolloutConfig:
 @dataclass
 class ToolsConfig:
     registry: str = ""  # module:function returning an opd.tools.ToolRegistry; empty: no tools
+    # module:Class of a stateful environment (opd.environments), one per conversation, built
+    # from the record's "environment"; empty: the stateless tools of `registry`.
+    environment: str = ""
     parser: str = "hermes"  # a registered parser name or module:function(text) -> [ToolCall]
     timeout_s: float = positive(10.0)
     num_workers: int = at_least(1, 2)

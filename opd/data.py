@@ -1,11 +1,30 @@
 """Datasets as JSONL, one conversation per line, in the OpenAI chat form users already have.
 
-A line is `{"messages": [...], "tools": [...], "answer": ...}`: `tools` (OpenAI function schemas)
-and `answer` (a gold answer for eval checkers) are optional, other keys are kept untouched.
-The rollout reads a line's prompt (the messages before the first assistant turn); SFT and the
-trainer's off-policy (GKD) batches read the whole conversation through `completion_trajectory`,
-which renders it into exactly the IDs a rollout would hold had the student written those
-assistant turns itself.
+A line is `{"messages": [...], "tools": [...], "answer": ..., "environment": {...},
+"tools_by_turn": [...]}`; only `messages` is required, other keys are kept untouched:
+
+- `tools`: OpenAI function schemas the student may call from the start.
+- `answer`: a gold answer for eval checkers.
+- `environment`: a JSON object, the config a stateful environment of the recipe is constructed
+  from for this conversation (opd.environments); {} when absent.
+- `tools_by_turn`: a list whose entry k (a list of function schemas, or null) holds the tools
+  that become available at user turn k (0 is the prompt's; BFCL's missing functions): from that
+  turn on they are offered to the template and calls are validated against them.
+
+A line may hold several user turns:
+
+    {"messages": [{"role": "system", ...}, {"role": "user", "content": "turn 0"},
+                  <assistant and tool messages of a gold conversation, optional>,
+                  {"role": "user", "content": "turn 1"}, ..., <gold turns>, ...]}
+
+The rollout's prompt (`prompt_record`) is the messages up to the first assistant message or the
+second user message, whichever comes first (so a line of only system and user messages is one
+prompt turn followed by further user turns); the further user turns (`user_turns`) are the user
+messages after it, in order. When the student ends a turn without tool calls and user turns
+remain, the next one is appended and the student continues; the gold assistant and tool
+messages between them are never shown to the student. SFT and the trainer's off-policy (GKD)
+batches read the whole conversation through `completion_trajectory`, which renders it into
+exactly the IDs a rollout would hold had the student written those assistant turns itself.
 """
 
 from __future__ import annotations
@@ -78,11 +97,31 @@ def record_problem(record) -> str | None:
     if tools is not None:
         if not isinstance(tools, list):
             return "\"tools\" must be a list of OpenAI function schemas"
-        for index, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                return (f"tools[{index}] must look like "
-                        '{"type": "function", "function": {"name": ...}}')
+        problem = _schemas_problem(tools, "tools")
+        if problem:
+            return problem
+    environment = record.get("environment")
+    if environment is not None and not isinstance(environment, dict):
+        return "\"environment\" must be a JSON object (the environment's config)"
+    by_turn = record.get("tools_by_turn")
+    if by_turn is not None:
+        if not isinstance(by_turn, list):
+            return "\"tools_by_turn\" must be a list (entry k: the tools added at user turn k)"
+        for turn, extra in enumerate(by_turn):
+            if extra is not None and not isinstance(extra, list):
+                return f"tools_by_turn[{turn}] must be a list of OpenAI function schemas or null"
+            problem = _schemas_problem(extra or [], f"tools_by_turn[{turn}]")
+            if problem:
+                return problem
+    return None
+
+
+def _schemas_problem(tools: list, where: str) -> str | None:
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return (f"{where}[{index}] must look like "
+                    '{"type": "function", "function": {"name": ...}}')
     return None
 
 
@@ -109,22 +148,55 @@ def _message_problem(message) -> str | None:
     return None
 
 
+def prompt_end(messages: Sequence[dict]) -> int:
+    """Where a line's prompt ends: at its first assistant message or its second user message."""
+    users = 0
+    for index, message in enumerate(messages):
+        users += message["role"] == "user"
+        if message["role"] == "assistant" or users == 2:
+            return index
+    return len(messages)
+
+
 def prompt_record(record: dict) -> dict:
-    """The rollout prompt of a dataset line: the messages before its first assistant turn."""
+    """The rollout prompt of a dataset line (see the module docstring): its prompt messages,
+    `tools`, and `environment` and `tools_by_turn` where it has them."""
     messages = record["messages"]
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    return {"messages": messages[:first], "tools": record.get("tools")}
+    prompt = {"messages": messages[:prompt_end(messages)], "tools": record.get("tools")}
+    for key in ("environment", "tools_by_turn"):
+        if key in record:
+            prompt[key] = record[key]
+    return prompt
+
+
+def user_turns(record: dict) -> list[dict]:
+    """The further user turns of a dataset line: its user messages after the prompt, in order."""
+    messages = record["messages"]
+    return [m for m in messages[prompt_end(messages):] if m["role"] == "user"]
+
+
+def tools_at_turn(tools: Sequence[dict] | None, tools_by_turn: Sequence | None,
+                  turn: int) -> list[dict]:
+    """The tools offered at user turn `turn` (0: the prompt's): `tools` plus every
+    `tools_by_turn` entry up to that turn."""
+    offered = list(tools or [])
+    for extra in list(tools_by_turn or [])[:turn + 1]:
+        offered.extend(extra or [])
+    return offered
 
 
 def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
-                          tools: Sequence[dict] | None = None):
+                          tools: Sequence[dict] | None = None,
+                          tools_by_turn: Sequence | None = None):
     """A whole conversation as an `AgentTrajectory`: assistant turns are targets, the rest context.
 
     Built the way a rollout builds one, so SFT and off-policy batches train on the IDs the
     student would hold: the prompt from the template with the generation prompt; each assistant
     turn as the tokens of its text plus the stop token that closes it (targets); each following
-    run of tool messages by the rollout's own boundary rendering (`ChatFormat.observation_ids`).
-    Trailing messages after the last assistant turn carry nothing to learn and are dropped.
+    run of tool messages, or of user messages (a further user turn), by the rollout's own
+    boundary rendering (`ChatFormat.observation_ids`, `ChatFormat.user_turn_ids`), with the
+    tools offered at that user turn (`tools_by_turn`). Trailing messages after the last
+    assistant turn carry nothing to learn and are dropped.
     """
     from opd.chat import ChatFormat
     from opd.rollout import AgentTrajectory
@@ -136,14 +208,20 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
     if not assistant_at or assistant_at[0] == 0:
         raise DatasetError("A completion needs a prompt followed by at least one assistant "
                            "message.")
-    ids = chat.prompt_ids(messages[:assistant_at[0]], tools)
+    user_turn = 0
+    offered = tools_at_turn(tools, tools_by_turn, user_turn)
+    ids = chat.prompt_ids(messages[:assistant_at[0]], offered)
     trajectory = AgentTrajectory(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0,
                                  tool_calls=0, truncated=False, spans=[(0, len(ids), "prompt")])
     for turn, index in enumerate(assistant_at):
         if turn > 0:
-            _append(trajectory, _context_ids(chat, messages[assistant_at[turn - 1] + 1:index],
-                                             tools, trajectory.input_ids[-1]), "observation")
-        text, stop_id = _assistant_text(chat, messages[:index], messages[index], tools)
+            between = messages[assistant_at[turn - 1] + 1:index]
+            if any(m["role"] == "user" for m in between):
+                user_turn += 1
+                offered = tools_at_turn(tools, tools_by_turn, user_turn)
+            ids, kind = _context_ids(chat, between, offered, trajectory.input_ids[-1])
+            _append(trajectory, ids, kind)
+        text, stop_id = _assistant_text(chat, messages[:index], messages[index], offered)
         _append(trajectory, chat.encode(text) + [stop_id], "assistant")
         trajectory.turns += 1
         trajectory.tool_calls += len(messages[index].get("tool_calls") or [])
@@ -176,9 +254,16 @@ def _assistant_text(chat, history: list[dict], message: dict, tools) -> tuple[st
     return rest[:end], stop_id
 
 
-def _context_ids(chat, messages: list[dict], tools, last_token_id: int) -> list[int]:
-    if any(m["role"] != "tool" for m in messages):
-        raise DatasetError(
-            "Only tool messages may sit between two assistant turns of a completion "
-            f"(found roles {[m['role'] for m in messages]}).")
-    return chat.observation_ids([m["content"] for m in messages], tools, last_token_id)
+def _context_ids(chat, messages: list[dict], tools, last_token_id: int
+                 ) -> tuple[list[int], str]:
+    """The context between two assistant turns and its span kind: tool messages are an
+    "observation", user messages a "user" turn (as the rollout appends them)."""
+    roles = {m["role"] for m in messages}
+    if roles == {"tool"}:
+        return chat.observation_ids([m["content"] for m in messages], tools,
+                                    last_token_id), "observation"
+    if roles == {"user"}:
+        return chat.user_turn_ids(messages, tools, last_token_id), "user"
+    raise DatasetError(
+        "Only tool messages, or only user messages, may sit between two assistant turns of a "
+        f"completion (found roles {[m['role'] for m in messages]}).")

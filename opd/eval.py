@@ -5,6 +5,13 @@ conversation was valid and ran, and nothing was truncated. Works for any Hugging
 directory (its tokenizer and chat template included), any JSONL dataset in the `opd.data` form
 and any checker `check(final_text, record) -> bool`.
 
+The checker contract, compatibly extended for stateful environments (opd.environments): a
+checker whose signature takes a third positional argument (or *args) is called as
+`check(final_text, record, state)`, where `state` is the episode's final environment state
+(`AgentTrajectory.environment_state`: what the environment's `state()` returned at the end of
+the episode, as JSON values; None with stateless tools, or when the environment died, failed
+to start or its state() failed). A two-argument checker is called as before.
+
 The trainer's evals and `python -m opd.eval` are one path (`evaluate_model` under an `EvalSpec`):
 with `--recipe`, the command line evaluates exactly as the recipe's run does (its data, tools,
 checker, template arguments and rollout limits); flags override single keys.
@@ -20,6 +27,7 @@ not of a sampling seed. `--temperature 1 --top-k 0` measures what OPD samples in
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections import defaultdict
@@ -31,7 +39,6 @@ from tqdm import tqdm
 
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig, ToolsConfig, load_config
-from opd.data import prompt_record
 from opd.errors import ConfigError, MissingFileError, OPDError
 from opd.inputs import chat_format, load_prompts
 from opd.plugins import Plugins, prepared, resolve_plugins
@@ -41,7 +48,7 @@ from opd.tools import ToolExecutor, ToolRegistry
 GROUP_KEY = "family"
 SAMPLES_KEPT = 10
 
-Checker = Callable[[str, dict], bool]
+Checker = Callable[..., bool]  # (final_text, record) or (final_text, record, state)
 
 
 def greedy(cfg: RolloutConfig) -> RolloutConfig:
@@ -78,6 +85,7 @@ class EvalSpec:
     rollout: RolloutConfig  # greedy by default (see `greedy`)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     chat_template_kwargs: dict = field(default_factory=dict)
+    environment: type | None = None  # a stateful environment class (opd.environments)
     tokenizer: str = ""  # empty: the model's own directory
     seed: int = 0
 
@@ -87,7 +95,8 @@ def spec_from_config(config, plugins: Plugins, records: list[dict]) -> EvalSpec:
     return EvalSpec(records=records, checker=plugins.checker, tool_registry=plugins.tool_registry,
                     parser=plugins.parser, rollout=greedy(config.rollout), tools=config.tools,
                     chat_template_kwargs=config.model.chat_template_kwargs,
-                    tokenizer=config.model.tokenizer, seed=config.seed)
+                    tokenizer=config.model.tokenizer, seed=config.seed,
+                    environment=plugins.environment)
 
 
 def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg, *,
@@ -98,19 +107,22 @@ def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg
     for chunk, start in enumerate(tqdm(chunks, desc=progress, disable=progress is None,
                                        unit="batch", leave=False)):
         batch = records[start:start + cfg.batch_size]
-        trajectories = rollout(model, chat, executor, [prompt_record(r) for r in batch], cfg,
-                               seed=seed + chunk, parser=parser)
+        trajectories = rollout(model, chat, executor, batch, cfg, seed=seed + chunk,
+                               parser=parser)
         for record, trajectory in zip(batch, trajectories):
             outcomes.append(_outcome(record, trajectory, chat.tokenizer, check))
     return summarize(outcomes)
 
 
-def tool_executor(registry: ToolRegistry, tools: ToolsConfig) -> ToolExecutor:
-    """The sandbox for `registry` with the recipe's `tools.*` bounds."""
+def tool_executor(registry: ToolRegistry, tools: ToolsConfig,
+                  environment: type | None = None) -> ToolExecutor:
+    """The sandbox for `registry` (or a stateful `environment`) with the recipe's `tools.*`
+    bounds."""
     return ToolExecutor(registry, timeout_s=tools.timeout_s,
                         max_result_chars=tools.max_result_chars, num_workers=tools.num_workers,
                         memory_limit_mb=tools.memory_limit_mb,
-                        max_calls_per_turn=tools.max_calls_per_turn, pass_env=tools.pass_env)
+                        max_calls_per_turn=tools.max_calls_per_turn, pass_env=tools.pass_env,
+                        environment=environment)
 
 
 def evaluate_model(model_path: str | Path, spec: EvalSpec, *, device=None,
@@ -122,7 +134,7 @@ def evaluate_model(model_path: str | Path, spec: EvalSpec, *, device=None,
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer or str(model_path),
                                               local_files_only=True)
     chat = ChatFormat(tokenizer, spec.chat_template_kwargs, model.generation_config)
-    with tool_executor(spec.tool_registry, spec.tools) as executor:
+    with tool_executor(spec.tool_registry, spec.tools, spec.environment) as executor:
         return evaluate(model, chat, executor, spec.records, spec.checker, spec.rollout,
                         seed=spec.seed, parser=spec.parser, progress=progress)
 
@@ -131,7 +143,7 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
     text = final_text(trajectory, tokenizer)
     counts = trajectory.counts
     calls_ok = counts.invalid == 0 and counts.failed == 0
-    correct = bool(check(text, record))
+    correct = bool(call_checker(check, text, record, trajectory.environment_state))
     return {
         "group": record.get(GROUP_KEY), "correct": correct, "calls_ok": calls_ok,
         "truncated": trajectory.truncated, "success": correct and calls_ok and not trajectory.truncated,
@@ -141,6 +153,23 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
         "question": next((m["content"] for m in record["messages"] if m["role"] == "user"), ""),
         "final_text": text, "truncation_reason": trajectory.truncation_reason,
     }
+
+
+def takes_state(check: Callable) -> bool:
+    """Whether `check` accepts a third positional argument (the environment's final state)."""
+    try:
+        parameters = list(inspect.signature(check).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument contract
+        return False
+    positional = [p for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
+def call_checker(check: Callable, text: str, record: dict, state) -> bool:
+    """`check(text, record, state)` for a checker that takes the state, else `check(text,
+    record)` (see the module docstring)."""
+    return check(text, record, state) if takes_state(check) else check(text, record)
 
 
 def summarize(outcomes: list[dict]) -> dict:
@@ -206,7 +235,8 @@ def results_table(rows: dict[str, dict]) -> str:
 
 
 # Command-line flags that set a config key; None (the default) keeps the recipe's value.
-FLAG_KEYS = {"data": "data.eval", "tools": "tools.registry", "checker": "eval.checker",
+FLAG_KEYS = {"data": "data.eval", "tools": "tools.registry",
+             "environment": "tools.environment", "checker": "eval.checker",
              "parser": "tools.parser", "tokenizer": "model.tokenizer",
              "chat_template_kwargs": "model.chat_template_kwargs", "limit": "eval.limit",
              "seed": "seed", "batch_size": "rollout.batch_size", "max_turns": "rollout.max_turns",
@@ -223,6 +253,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--data", help="JSONL dataset with gold answers (data.eval)")
     parser.add_argument("--out", help="directory for eval.json")
     parser.add_argument("--tools", help="module:function() -> ToolRegistry (tools.registry)")
+    parser.add_argument("--environment",
+                        help="module:Class, a stateful environment (tools.environment)")
     parser.add_argument("--checker", help="module:function(text, record) (eval.checker)")
     parser.add_argument("--parser", help="tool-call parser (tools.parser)")
     parser.add_argument("--tokenizer", help="tokenizer directory; default: the model's")
@@ -263,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
         plugins = resolve_plugins(config)
         for key, flag, value in (("data.eval", "--data", config.data.eval),
                                  ("eval.checker", "--checker", plugins.checker),
-                                 ("tools.registry", "--tools", config.tools.registry)):
+                                 ("tools.registry", "--tools",
+                                  config.tools.registry or config.tools.environment)):
             if not value:
                 raise ConfigError(f"{flag} (or a --recipe that sets {key}) is needed.")
         if not Path(args.model).is_dir():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from opd.chat import ChatFormat
 from opd.config import Config, ModelConfig
-from opd.data import completion_trajectory, numbered_records, prompt_record
+from opd.data import completion_trajectory, numbered_records, prompt_record, tools_at_turn
 from opd.errors import DatasetError, MissingFileError, OPDError, VocabularyError
 from opd.rollout import AgentTrajectory
 
@@ -72,7 +72,8 @@ def load_prompts(path: str, chat: ChatFormat, max_total_len: int, key: str) -> l
     for line, record in numbered_records(path):
         prompt = prompt_record(record)
         try:
-            length = len(chat.prompt_ids(prompt["messages"], prompt.get("tools")))
+            length = len(chat.prompt_ids(prompt["messages"], tools_at_turn(
+                prompt.get("tools"), prompt.get("tools_by_turn"), 0)))
         except OPDError as error:
             raise DatasetError(f"{path} line {line} ({key}): {error}") from None
         if length >= max_total_len:
@@ -91,7 +92,8 @@ def load_completions(path: str, chat: ChatFormat, micro_batch_tokens: int
     trajectories = []
     for line, record in numbered_records(path):
         try:
-            trajectory = completion_trajectory(chat, record["messages"], record.get("tools"))
+            trajectory = completion_trajectory(chat, record["messages"], record.get("tools"),
+                                               record.get("tools_by_turn"))
         except OPDError as error:
             raise DatasetError(f"{path} line {line} (data.completions): {error}") from None
         if len(trajectory.input_ids) > micro_batch_tokens:

@@ -3,8 +3,11 @@
 A recipe names its world through these keys; the library names none:
 - `prepare`          `prepare(build: bool = True)` -> the directory "{prepared}" stands for
 - `tools.registry`   `registry()` -> `opd.tools.ToolRegistry`
+- `tools.environment` a class `Env(config)` with `call(name, arguments)`, `state()` and an
+                     optional `close()` (opd.environments); exclusive with `tools.registry`
 - `tools.parser`     a registered parser name (`hermes`) or `module:function(text) -> [ToolCall]`
-- `eval.checker`     `check(final_text, record) -> bool`
+- `eval.checker`     `check(final_text, record) -> bool`, or `check(final_text, record, state)`
+                     to receive the environment's final state (opd.eval)
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Plugins:
     tool_registry: Any  # opd.tools.ToolRegistry
     parser: Callable
     checker: Callable | None
+    environment: type | None = None  # a stateful environment class (opd.environments)
 
 
 def resolve_plugins(config) -> Plugins:
@@ -63,11 +67,19 @@ def resolve_plugins(config) -> Plugins:
         if not isinstance(tool_registry, ToolRegistry):
             raise ConfigError(f"tools.registry {config.tools.registry!r} returned a "
                               f"{type(tool_registry).__name__}, not an opd.tools.ToolRegistry.")
+    environment = None
+    if config.tools.environment:
+        from opd.environments import check_environment
+        if config.tools.registry:
+            raise ConfigError("tools.registry and tools.environment are exclusive: a stateful "
+                              "environment answers every tool call itself; set one of them.")
+        environment = resolve(config.tools.environment, "tools.environment")
+        check_environment(environment, f"tools.environment {config.tools.environment!r}")
     parser = resolve_callable(config.tools.parser, "tools.parser") \
         if ":" in config.tools.parser else get_parser(config.tools.parser)
     return Plugins(
         prepare=resolve_callable(config.prepare, "prepare") if config.prepare else None,
-        tool_registry=tool_registry, parser=parser,
+        tool_registry=tool_registry, parser=parser, environment=environment,
         checker=resolve_callable(config.eval.checker, "eval.checker")
         if config.eval.checker else None)
 

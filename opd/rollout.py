@@ -7,9 +7,22 @@ token or its own budget. Rows that called tools get their observations (executed
 tool sandbox) appended and join the next phase. Left padding with explicit attention masks and
 position ids means no row's tokens depend on another row's padding.
 
+Each conversation is an episode of the executor (opd.tools, opd.environments): opened when its
+batch starts (a stateful environment constructed from the record's "environment"), fed each
+turn's calls, its final state read into `AgentTrajectory.environment_state` and closed as soon
+as the conversation ends. A record's further user turns (opd.data.user_turns) are appended, by
+the same boundary rendering as observations, when the student ends a turn without tool calls;
+a record's `tools_by_turn` grows the offered tools at those turns.
+
 The seed's rules hold exactly: sampled IDs are kept and never re-tokenised; targets are the
-sampled tokens including each turn's first stop token; prompt and observations are context with
-no loss; truncation by `max_new_tokens`, `max_total_len` and `max_turns` as the seed does it.
+sampled tokens including each turn's first stop token; prompt, observations and user turns are
+context with no loss; truncation by `max_new_tokens`, `max_total_len` and `max_turns` as the
+seed does it, over the whole episode: `max_turns` counts assistant turns across all user turns,
+`max_total_len` the whole conversation. Truncation reasons: "max_new_tokens", "max_total_len",
+"max_turns" (a turn that called tools, or ended with user turns left, was the last allowed),
+"empty" (a turn of no tokens), "environment_start_failed" (the environment's constructor raised
+or hung: no turn was sampled), "environment_died" (a call hung or crashed the episode's
+process: the turn's observation is not appended); `environment_error` says why for the last two.
 
 Every loop iteration of `rollout` is exactly one forward call of the model. With `sync` (the
 trainer passes an all-reduce over data-parallel ranks) a rank whose conversations ended early
@@ -23,12 +36,14 @@ import inspect
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
-from opd.tools import ToolCallCounts, parse_hermes_tool_calls
+from opd.data import prompt_record, tools_at_turn, user_turns
+from opd.tools import Episode, ToolCallCounts, parse_hermes_tool_calls
 
 
 @dataclass
@@ -40,10 +55,13 @@ class AgentTrajectory:
     turns: int
     tool_calls: int
     truncated: bool
-    truncation_reason: str | None = None  # max_new_tokens | max_total_len | max_turns | empty
-    spans: list[tuple[int, int, str]] = field(default_factory=list)  # prompt|assistant|observation
+    truncation_reason: str | None = None  # see the module docstring
+    # prompt | assistant | observation | user (a further user turn)
+    spans: list[tuple[int, int, str]] = field(default_factory=list)
     counts: ToolCallCounts = field(default_factory=ToolCallCounts)
     logprobs: list[float] = field(default_factory=list)  # one per target token, in order
+    environment_state: Any = None  # a stateful environment's final state() (None: none)
+    environment_error: str | None = None  # why the environment ended the episode early
 
     def assistant_spans(self) -> list[tuple[int, int]]:
         return [(start, end) for start, end, kind in self.spans if kind == "assistant"]
@@ -56,6 +74,12 @@ class _Row:
     prompt_index: int
     tools: list | None
     trajectory: AgentTrajectory
+    environment: dict = field(default_factory=dict)  # the record's environment config
+    user_turns: list[dict] = field(default_factory=list)  # further user turns not yet shown
+    tools_by_turn: list | None = None
+    user_turn: int = 0  # the user turn the conversation is in (0: the prompt's)
+    episode: Episode | None = None
+    next_user: dict | None = None  # the user turn to append after this phase
     turn_start: int = 0
     budget: int = 0
     done: bool = False  # finished or truncated: no more turns
@@ -148,17 +172,23 @@ def _prompt_ids(chat: ChatFormat, prompt: dict, index: int, max_total_len: int) 
     return ids
 
 
-def _new_row(chat: ChatFormat, prompt: dict, index: int, cfg: RolloutConfig) -> _Row:
-    ids = _prompt_ids(chat, prompt, index, cfg.max_total_len)
+def _new_row(chat: ChatFormat, record: dict, index: int, cfg: RolloutConfig) -> _Row:
+    prompt = prompt_record(record)
+    tools = tools_at_turn(prompt.get("tools"), prompt.get("tools_by_turn"), 0) \
+        if prompt.get("tools_by_turn") else prompt.get("tools")
+    ids = _prompt_ids(chat, {"messages": prompt["messages"], "tools": tools}, index,
+                      cfg.max_total_len)
     trajectory = AgentTrajectory(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0,
                                  tool_calls=0, truncated=False, spans=[(0, len(ids), "prompt")])
-    return _Row(prompt_index=index, tools=prompt.get("tools"), trajectory=trajectory)
+    return _Row(prompt_index=index, tools=tools, trajectory=trajectory,
+                environment=prompt.get("environment") or {}, user_turns=user_turns(record),
+                tools_by_turn=prompt.get("tools_by_turn"))
 
 
-def _count_unexecuted(counts, calls: list, registry) -> None:
+def _count_unexecuted(counts, calls: list, executor, episode: Episode) -> None:
     """Calls of a turn cut by max_turns never run, but their validity still counts."""
     for call in calls:
-        if call.error is None and registry.validate(call) is None:
+        if call.error is None and executor.validate_call(episode, call) is None:
             counts.valid += 1
         else:
             counts.invalid += 1
@@ -181,6 +211,33 @@ class _BatchRollout:
     @property
     def finished(self) -> bool:
         return self.phase is None and all(row.done for row in self.rows)
+
+    def open_episodes(self) -> None:
+        """Open the rows' episodes (once); a row whose environment cannot start ends at once."""
+        if any(row.episode is not None for row in self.rows):
+            return
+        episodes = self.executor.open_episodes([row.environment for row in self.rows],
+                                               [row.tools for row in self.rows])
+        for row, episode in zip(self.rows, episodes):
+            row.episode = episode
+            if episode.end_reason is not None:
+                row.trajectory.environment_error = episode.error
+                _truncate(row, episode.end_reason)
+        self.finish_episodes()
+
+    def finish_episodes(self) -> None:
+        """Read the final state of every ended row's live environment, then close its episode."""
+        for row in self.rows:
+            if row.done and row.episode is not None and not row.episode.closed:
+                if row.episode.alive:
+                    row.trajectory.environment_state = self.executor.episode_state(row.episode)
+                self.executor.close_episode(row.episode)
+
+    def close_episodes(self) -> None:
+        """Close every episode still open (the rollout is interrupted)."""
+        for row in self.rows:
+            if row.episode is not None:
+                self.executor.close_episode(row.episode)
 
     def step(self) -> None:
         if self.phase is None:
@@ -215,13 +272,18 @@ class _BatchRollout:
 
     def _end_phase(self) -> None:
         waiting: list[tuple[_Row, list]] = []
-        for row in self.phase.rows:
+        rows = self.phase.rows
+        for row in rows:
             calls = self._end_turn(row)
             if calls is not None:
                 waiting.append((row, calls))
         self.phase = None
         if waiting:
             self._append_observations(waiting)
+        for row in rows:
+            if row.next_user is not None:
+                self._append_user_turn(row)
+        self.finish_episodes()
 
     def _end_turn(self, row: _Row) -> list | None:
         """Close the row's turn by the seed's rules; return its tool calls if it continues."""
@@ -241,29 +303,54 @@ class _BatchRollout:
                                           skip_special_tokens=False)
         calls = restrict_to_tools(self.parser(text), row.tools)
         trajectory.tool_calls += len(calls)
-        if not calls:
+        if not calls and not row.user_turns:
             row.done = True
             return None
         if trajectory.turns == self.cfg.max_turns:
-            _count_unexecuted(trajectory.counts, calls, self.executor.registry)
+            _count_unexecuted(trajectory.counts, calls, self.executor, row.episode)
             _truncate(row, "max_turns")
+            return None
+        if not calls:
+            row.next_user = row.user_turns.pop(0)
             return None
         return calls
 
     def _append_observations(self, waiting: list[tuple[_Row, list]]) -> None:
-        results = self.executor.run_batch([calls for _, calls in waiting])
-        for (row, _), row_results in zip(waiting, results):
+        results = self.executor.run_episode_calls({row.episode: calls for row, calls in waiting})
+        for row, _ in waiting:
             trajectory = row.trajectory
-            trajectory.counts.add(row_results)
-            observation = self.chat.observation_ids(
-                [result.content for result in row_results], row.tools, trajectory.input_ids[-1])
-            start = len(trajectory.input_ids)
-            if start + len(observation) >= self.cfg.max_total_len:
-                _truncate(row, "max_total_len")
+            trajectory.counts.add(results[row.episode])
+            if row.episode.end_reason is not None:
+                trajectory.environment_error = row.episode.error
+                _truncate(row, row.episode.end_reason)
                 continue
-            trajectory.input_ids.extend(observation)
-            trajectory.assistant_mask.extend([False] * len(observation))
-            trajectory.spans.append((start, len(trajectory.input_ids), "observation"))
+            observation = self.chat.observation_ids(
+                [result.content for result in results[row.episode]], row.tools,
+                trajectory.input_ids[-1])
+            self._append_context(row, observation, "observation")
+
+    def _append_user_turn(self, row: _Row) -> None:
+        """The next user message, with the tools offered from its turn on."""
+        message, row.next_user = row.next_user, None
+        assert message is not None and row.episode is not None
+        row.user_turn += 1
+        by_turn = row.tools_by_turn or []
+        extra = list(by_turn[row.user_turn] or []) if row.user_turn < len(by_turn) else []
+        if extra:
+            row.tools = [*(row.tools or []), *extra]
+            row.episode.offer(extra)
+        ids = self.chat.user_turn_ids([message], row.tools, row.trajectory.input_ids[-1])
+        self._append_context(row, ids, "user")
+
+    def _append_context(self, row: _Row, ids: list[int], kind: str) -> None:
+        trajectory = row.trajectory
+        start = len(trajectory.input_ids)
+        if start + len(ids) >= self.cfg.max_total_len:
+            _truncate(row, "max_total_len")
+            return
+        trajectory.input_ids.extend(ids)
+        trajectory.assistant_mask.extend([False] * len(ids))
+        trajectory.spans.append((start, len(trajectory.input_ids), kind))
 
 
 def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
@@ -277,7 +364,8 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
             seed: int = 0, parser: Callable | None = None,
             sync: Callable[[bool], bool] | None = None,
             vocab_size: int | None = None) -> list[AgentTrajectory]:
-    """Sample multi-turn conversations for `prompts` (dataset records with `messages`, `tools`).
+    """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
+    further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
     Deterministic for a fixed seed, prompts and batch size. `sync(has_work) -> any_has_work`
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
@@ -296,7 +384,10 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     module.eval()
     try:
         while True:
-            while batches and batches[0].finished:
+            while batches:
+                batches[0].open_episodes()
+                if not batches[0].finished:
+                    break
                 batches.pop(0)
             has_work = bool(batches)
             if not (sync(has_work) if sync is not None else has_work):
@@ -307,6 +398,8 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
                 _dummy_forward(model, chat.pad_token_id, device)
     finally:
         module.train(was_training)
+        for batch in batches:
+            batch.close_episodes()
     return [row.trajectory for row in rows]
 
 

@@ -21,8 +21,16 @@ What a tool cannot do, by the isolation in force (reported as ToolExecutor.isola
   a nested one, so it holds no capability over the worker's namespaces (cannot unmount /proc).
 - without a PID namespace, the uid drop is the only signal barrier; processes a tool starts in a
   session of their own escape the per-call sweep, and, as the same user, it can signal the trainer.
-An episode that keeps state across calls (issue 13) would fork its child once and send it each
-call of the episode, sweeping at the episode's end: one worker per live episode.
+
+Episodes of a stateful environment (opd.environments) use the same zygote differently: an
+"open" request forks one *episode child* that constructs the environment from the record's
+config and keeps it for the whole conversation; each "call" (and the final "state") is relayed
+to it, and the zygote enforces the per-call timeout exactly as for a stateless call. At "close"
+the environment's own close() runs, then the zygote sweeps the namespace and empties the
+directory as after a stateless call. A zygote holds at most one live episode (the sweep kills
+every process of its namespace), so there is one worker per live episode. An episode child that
+hangs past the timeout, crashes or sends a malformed reply is swept at once and its episode is
+over ("died" reply); the zygote is clean again and serves the next episode.
 
 Kept apart from opd.tools so a worker imports only this (and the tools' own modules).
 """
@@ -82,11 +90,12 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _call_tool(fn: Callable, name: str, arguments: dict, limit: int,
+def _call_tool(call: Callable[[], Any], name: str, limit: int,
                memory_mb: int) -> tuple[str, str]:
-    """(status, content): whatever the tool does, one JSON text of at most `limit` characters."""
+    """(status, content): whatever `call()` (tool `name`) does, one JSON text of at most `limit`
+    characters."""
     try:
-        value = fn(**arguments)
+        value = call()
         try:
             return "ok", cap_result(_dumps(value), limit)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -176,7 +185,9 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     conn = multiprocessing.connection.Connection(fd)
     try:
         # drop: (name, uid, gid) to run calls as, when the trainer is root
-        functions, max_result_chars, memory_mb, timeout_s, drop = pickle.loads(conn.recv_bytes())
+        # environment: the world's environment class, or None for stateless tools
+        functions, environment, max_result_chars, memory_mb, timeout_s, drop = \
+            pickle.loads(conn.recv_bytes())
     except EOFError:
         return
     except BaseException as exc:  # unpickling imports the tools' modules: report why it failed
@@ -193,14 +204,179 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     _limit_address_space(memory_mb)
     _send(conn, "ready", "+".join(isolation) or "none")
     workdir = os.getcwd()
+    episode: _Episode | None = None
     while True:
         try:
-            name, arguments = json.loads(conn.recv_bytes())
+            request = json.loads(conn.recv_bytes())
         except EOFError:
+            if episode is not None:
+                episode.sweep()
             return
-        _send(conn, *_run_call(functions[name], name, arguments, max_result_chars, memory_mb,
-                               timeout_s, fd, drop, pid1, libc))
-        _empty(workdir)
+        if isinstance(request, list):  # a stateless call: [name, arguments]
+            name, arguments = request
+            _send(conn, *_run_call(functions[name], name, arguments, max_result_chars,
+                                   memory_mb, timeout_s, fd, drop, pid1, libc))
+            _empty(workdir)
+            continue
+        op = request["op"]
+        if op == "open":
+            if episode is not None:  # the trainer never opens two; keep the namespace clean
+                episode.sweep()
+            episode = _Episode(environment, request["config"], max_result_chars, memory_mb,
+                               timeout_s, fd, drop, pid1, libc)
+            reply = episode.ask({"op": "open"}, "the environment's constructor")
+        elif op == "close":
+            if episode is not None:
+                episode.close()
+            episode = None
+            _empty(workdir)
+            reply = ("closed", "")
+        elif episode is None or episode.dead:
+            reply = ("died", error_content("the environment of this episode is gone",
+                                           max_result_chars))
+        else:
+            what = f"environment call {request['name']!r}" if op == "call" \
+                else "the environment's state()"
+            reply = episode.ask(request, what)
+        _send(conn, *reply)
+
+
+# A final state is read once per episode, for the checker: it may be larger than a result.
+MAX_STATE_CHARS = 1 << 24
+
+
+class _Episode:
+    """Zygote side of one live episode: its child process and the pipe to it."""
+
+    def __init__(self, environment: Any, config: Any, limit: int, memory_mb: int,
+                 timeout_s: float, trainer_fd: int, drop: tuple | None, pid1: bool, libc: Any):
+        self.limit, self.timeout_s, self.pid1, self.dead = limit, timeout_s, pid1, False
+        self.conn, child_conn = multiprocessing.connection.Pipe(duplex=True)
+        self.child = os.fork()
+        if self.child == 0:
+            try:
+                self.conn.close()
+                _enter_call_child(trainer_fd, drop, pid1, libc)
+                _episode_main(child_conn, environment, config, limit, memory_mb)
+            finally:
+                os._exit(0)
+        child_conn.close()
+        try:
+            self.exited: int | None = os.pidfd_open(self.child)
+        except (AttributeError, OSError):
+            self.exited = None
+
+    def ask(self, request: dict, what: str) -> tuple[str, str]:
+        """The child's (status, content) for `request` (an "open" only awaits the constructor);
+        ("died", why) when it hangs past the timeout, crashes or answers out of protocol, after
+        which it is swept."""
+        limit = MAX_STATE_CHARS if request["op"] == "state" else self.limit
+        crashed = False
+        try:
+            if request["op"] != "open":
+                self.conn.send_bytes(json.dumps(request).encode())
+            if self.conn.poll(self.timeout_s):
+                status, content = json.loads(self.conn.recv_bytes(8 * limit + 64))
+                if status in ("ok", "failed") and isinstance(content, str) \
+                        and len(content) <= limit:
+                    return status, content
+                why = f"{what} answered out of protocol"
+            else:
+                why = f"{what} timed out after {self.timeout_s:g} s"
+        except (EOFError, OSError, ValueError, TypeError):
+            crashed, why = True, f"{what} crashed the environment's process"
+        exit_code = self.sweep()
+        if crashed:
+            why += f" (exit code {exit_code})"
+        return "died", error_content(why + "; the episode's state is lost", self.limit)
+
+    def close(self) -> None:
+        """Let the environment close itself (within the timeout), then sweep."""
+        if not self.dead:
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                self.conn.send_bytes(json.dumps({"op": "close"}).encode())
+                self.conn.poll(self.timeout_s)
+        self.sweep()
+
+    def sweep(self) -> int:
+        if self.dead:
+            return 0
+        self.dead = True
+        exit_code = _sweep(self.child, self.pid1)
+        self.conn.close()
+        if self.exited is not None:
+            os.close(self.exited)
+        return exit_code
+
+
+def _episode_main(conn: multiprocessing.connection.Connection, environment: Any, config: Any,
+                  limit: int, memory_mb: int) -> None:
+    """Episode child: construct the environment, then answer the zygote's requests in order."""
+    label = getattr(environment, "__name__", "environment")
+    try:
+        env = environment(config)
+        conn.send_bytes(json.dumps(["ok", ""]).encode())
+    except BaseException as exc:
+        why = f"ran out of memory (limit {memory_mb} MB)" if isinstance(exc, MemoryError) \
+            else f"raised {_describe_exception(exc)}"
+        conn.send_bytes(json.dumps(["failed", error_content(
+            f"environment {label} {why} in its constructor", limit)]).encode())
+        return
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if request["op"] == "call":
+            name, arguments = request["name"], request["arguments"]
+            reply = _call_tool(lambda: env.call(name, arguments), name, limit, memory_mb)
+        elif request["op"] == "state":
+            reply = _final_state(env, limit, memory_mb)
+        else:  # close
+            closer = getattr(env, "close", None)
+            if callable(closer):
+                with contextlib.suppress(BaseException):
+                    closer()
+            conn.send_bytes(json.dumps(["ok", ""]).encode())
+            return
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+def _final_state(env: Any, limit: int, memory_mb: int) -> tuple[str, str]:
+    """("ok", the JSON of env.state(), uncut) or ("failed", why)."""
+    try:
+        value = env.state()
+        try:
+            text = _dumps(value)
+        except (TypeError, ValueError, RecursionError) as exc:
+            return "failed", error_content(f"the environment's state() returned a value that is "
+                                           f"not JSON-serialisable: {exc}", limit)
+    except MemoryError:
+        return "failed", error_content(
+            f"the environment's state() ran out of memory (limit {memory_mb} MB)", limit)
+    except BaseException as exc:
+        return "failed", error_content(
+            f"the environment's state() raised {_describe_exception(exc)}", limit)
+    if len(text) > MAX_STATE_CHARS:
+        return "failed", error_content(
+            f"the environment's state is over {MAX_STATE_CHARS} characters of JSON", limit)
+    return "ok", text
+
+
+def _enter_call_child(trainer_fd: int, drop: tuple | None, pid1: bool, libc: Any) -> None:
+    """What a call child (or an episode child) does first: no way to the trainer, a process
+    group of its own, death with the zygote, no new privileges, the unprivileged user."""
+    os.close(trainer_fd)  # the tool must not write to the trainer
+    os.setsid()  # a process group of its own, for the sweep without a PID namespace
+    if libc:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives root back
+    if drop:
+        os.setgroups([])
+        os.setgid(drop[2])
+        os.setuid(drop[1])
+    elif pid1 and os.geteuid() != 0:  # in a user namespace: drop its capabilities
+        libc.unshare(_CLONE_NEWUSER)
 
 
 def _run_call(fn: Callable, name: str, arguments: dict, limit: int, memory_mb: int,
@@ -211,19 +387,9 @@ def _run_call(fn: Callable, name: str, arguments: dict, limit: int, memory_mb: i
     if child == 0:
         try:
             reader.close()
-            os.close(trainer_fd)  # the tool must not write to the trainer
-            os.setsid()  # a process group of its own, for the sweep without a PID namespace
-            if libc:
-                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-                libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives root back
-            if drop:
-                os.setgroups([])
-                os.setgid(drop[2])
-                os.setuid(drop[1])
-            elif pid1 and os.geteuid() != 0:  # in a user namespace: drop its capabilities
-                libc.unshare(_CLONE_NEWUSER)
-            writer.send_bytes(json.dumps(_call_tool(fn, name, arguments, limit, memory_mb))
-                              .encode())
+            _enter_call_child(trainer_fd, drop, pid1, libc)
+            writer.send_bytes(json.dumps(_call_tool(lambda: fn(**arguments), name, limit,
+                                                    memory_mb)).encode())
         finally:
             os._exit(0)
     writer.close()

@@ -8,6 +8,13 @@ wildly or returns something JSON cannot hold is "failed". Either way the student
 `max_result_chars` characters: an over-long result becomes `{"truncated": "<prefix of its JSON>"}`
 (the seed cut the JSON text mid-token instead). How a call is sandboxed, and what a tool can
 still do, is told in opd.tool_worker.
+
+Every conversation is an *episode* (`open_episodes` ... `close_episode`). With stateless tools
+(a `ToolRegistry`, `environment=None`) an episode is trivial: each call runs in a fresh child of
+its own, so no call, let alone another episode, ever sees what an earlier call left (fresh state
+per episode holds a fortiori), and calls run through `run_batch` exactly as before. With a
+stateful environment (opd.environments) each episode owns one sandboxed process for its whole
+life; see `ToolExecutor.open_episodes`.
 """
 
 import json
@@ -194,19 +201,28 @@ class ToolRegistry:
 
     def validate(self, call: ToolCall) -> str | None:
         """The sentence the student sees for an invalid call, or None when the call is valid."""
-        if call.error is not None:
-            return call.error
-        tool = self._by_name.get(call.name)
-        if tool is None:
-            return f"unknown tool {call.name!r}; available tools: {', '.join(self._by_name)}"
-        if not isinstance(call.arguments, dict):
-            return (f"arguments of tool {tool.name!r} must be a JSON object, "
-                    f"got {_json_type(call.arguments)}")
-        if _too_deep(call.arguments, MAX_ARGUMENT_DEPTH):
-            return (f"arguments of tool {tool.name!r} are nested deeper than "
-                    f"{MAX_ARGUMENT_DEPTH} levels")
-        parameters = {"properties": {}, **tool.schema["function"].get("parameters", {})}
-        return _schema_error(call.arguments, parameters, tool.name, ())
+        return validate_call(call, {name: tool.schema for name, tool in self._by_name.items()})
+
+
+def validate_call(call: ToolCall, schemas: dict[str, dict]) -> str | None:
+    """The sentence the student sees when `call` does not match its tool among `schemas` (OpenAI
+    function schemas by name), or None when it is valid."""
+    if call.error is not None:
+        return call.error
+    schema = schemas.get(call.name) if call.name is not None else None
+    if schema is None:
+        return f"unknown tool {call.name!r}; available tools: {', '.join(schemas)}"
+    if not isinstance(call.arguments, dict):
+        return (f"arguments of tool {call.name!r} must be a JSON object, "
+                f"got {_json_type(call.arguments)}")
+    if _too_deep(call.arguments, MAX_ARGUMENT_DEPTH):
+        return (f"arguments of tool {call.name!r} are nested deeper than "
+                f"{MAX_ARGUMENT_DEPTH} levels")
+    parameters = {"properties": {}, **schema["function"].get("parameters", {})}
+    try:
+        return _schema_error(call.arguments, parameters, call.name, ())
+    except (AttributeError, KeyError, TypeError, ValueError):  # a record's own malformed schema
+        return f"the schema of tool {call.name!r} cannot be checked; the call was not run"
 
 
 def _check_tool(tool: Tool) -> None:
@@ -396,10 +412,52 @@ class _Worker:
         return exit_code
 
 
-def _stop_workers(workers: list[_Worker]) -> None:
-    for worker in workers:
-        worker.stop()
-    workers.clear()
+def _stop_workers(*pools: list[_Worker]) -> None:
+    for workers in pools:
+        for worker in workers:
+            worker.stop()
+        workers.clear()
+
+
+# Truncation reasons of an episode whose environment is gone (AgentTrajectory.truncation_reason).
+ENVIRONMENT_START_FAILED = "environment_start_failed"  # its constructor raised or hung
+ENVIRONMENT_DIED = "environment_died"  # its process hung past a call's timeout or crashed
+
+
+class Episode:
+    """Handle of one conversation's environment (see ToolExecutor.open_episodes).
+
+    `tools`: the schemas offered so far, which calls are validated against (grown by `offer`).
+    `end_reason` / `error`: None while the environment lives; else ENVIRONMENT_START_FAILED or
+    ENVIRONMENT_DIED and the sentence saying why. Hashable by identity."""
+
+    def __init__(self, tools: Sequence[dict] | None, worker: _Worker | None = None):
+        self.tools: list[dict] = list(tools or [])
+        self.worker = worker
+        self.end_reason: str | None = None
+        self.error: str | None = None
+        self.closed = False
+
+    @property
+    def stateful(self) -> bool:
+        return self.worker is not None or self.end_reason is not None
+
+    @property
+    def alive(self) -> bool:
+        return self.end_reason is None and not self.closed
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The launcher process at the root of the episode's worker tree (None when trivial)."""
+        return self.worker.process.pid if self.worker is not None else None
+
+    def offer(self, schemas: Sequence[dict]) -> None:
+        """Make more tools available from now on (a record's `tools_by_turn`)."""
+        self.tools.extend(schemas)
+
+    def _end(self, reason: str, error: str) -> None:
+        if self.end_reason is None:
+            self.end_reason, self.error = reason, error
 
 
 class ToolExecutor:
@@ -417,7 +475,7 @@ class ToolExecutor:
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
                  start_timeout_s: float = 60.0, max_calls_per_turn: int = MAX_CALLS_PER_TURN,
                  run_as: str | None = "nobody", pass_env: Sequence[str] = (),
-                 namespaces: bool = True):
+                 namespaces: bool = True, environment: type | None = None):
         if min(timeout_s, num_workers, start_timeout_s, max_calls_per_turn) <= 0:
             raise ValueError("ToolExecutor timeout_s, num_workers, start_timeout_s and "
                              "max_calls_per_turn must be positive")
@@ -432,7 +490,11 @@ class ToolExecutor:
             except KeyError:
                 raise ValueError(f"ToolExecutor run_as: no user named {run_as!r}") from None
             user = (run_as, entry.pw_uid, entry.pw_gid)
+        if environment is not None:
+            from opd.environments import check_environment
+            check_environment(environment)
         self.registry = registry
+        self.environment = environment
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
         self.num_workers = num_workers
@@ -443,12 +505,15 @@ class ToolExecutor:
         self.isolation: str | None = None  # what the workers could set up; known once started
         self._owner = user[1:] if user else None
         functions = {tool.name: tool.fn for tool in registry.tools}
-        self._setup = pickle.dumps((functions, max_result_chars, memory_limit_mb, timeout_s,
-                                    user))
+        self._setup = pickle.dumps((functions, environment, max_result_chars, memory_limit_mb,
+                                    timeout_s, user))
         self._workers: list[_Worker] = []
+        self._episode_workers: list[_Worker] = []  # one per live episode, plus idle ones
+        self._idle: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers,
+                                           self._episode_workers)
 
     def __enter__(self) -> "ToolExecutor":
         return self
@@ -464,7 +529,239 @@ class ToolExecutor:
     def pids(self) -> list[int]:
         """The workers' launcher processes: each the root of its worker's process tree."""
         with self._lock:
-            return [worker.process.pid for worker in self._workers]
+            return [worker.process.pid for worker in self._workers + self._episode_workers]
+
+    # ------------------------------------------------------------------------------ episodes
+
+    def open_episodes(self, configs: Sequence[Any], tools: Sequence[Sequence[dict] | None]
+                      ) -> list[Episode]:
+        """One episode per conversation: `configs[i]` is its record's "environment" value ({}
+        when absent), `tools[i]` the schemas it offers at its start.
+
+        Stateless tools: trivial handles, nothing starts. An environment: each episode gets a
+        worker of its own (idle ones are reused), whose zygote forks one child that constructs
+        `environment(config)` and keeps it until `close_episode`. An episode whose constructor
+        raises or hangs past `timeout_s` comes back ended (ENVIRONMENT_START_FAILED, `error`
+        says why); the others are unaffected. Raises only when a worker cannot start at all
+        (the environment's module does not import), as `run_batch` does."""
+        episodes = [Episode(schemas) for schemas in tools]
+        if self.environment is None:
+            return episodes
+        requests = {}
+        with self._lock:
+            self._check_open()
+            for episode, config in zip(episodes, configs):
+                episode.worker = self._idle.pop() if self._idle else self._new_episode_worker()
+                requests[episode] = deque([json.dumps({"op": "open",
+                                                       "config": config or {}}).encode()])
+            replies = self._exchange(requests, "the environment's constructor")
+        for episode, reply in replies.items():
+            status, content = reply[0]
+            if status != "ok" and episode.alive:
+                episode._end(ENVIRONMENT_START_FAILED, json.loads(content)["error"])
+        for episode in episodes:
+            if episode.end_reason == ENVIRONMENT_DIED:  # hung or crashed while constructing
+                episode.end_reason = ENVIRONMENT_START_FAILED
+        return episodes
+
+    def validate_call(self, episode: Episode, call: ToolCall) -> str | None:
+        """Why `call` is invalid in `episode` (None: valid): the registry's check for stateless
+        tools, else the episode's offered schemas."""
+        if episode.stateful:
+            return validate_call(call, {schema["function"]["name"]: schema
+                                        for schema in episode.tools})
+        return self.registry.validate(call)
+
+    def run_episode_calls(self, calls: dict[Episode, list[ToolCall]]
+                          ) -> dict[Episode, list[ToolResult]]:
+        """Each episode's calls, in order, in its own environment; episodes run concurrently.
+
+        Validation, `max_calls_per_turn` and result caps as in `run_batch` (stateless episodes
+        go through it unchanged). A call that hangs past `timeout_s` or crashes its episode's
+        process gets a "failed" result, and the episode ends (ENVIRONMENT_DIED): its state is
+        gone, its later calls of the turn are not run (failed), and other episodes go on."""
+        trivial = [episode for episode in calls if not episode.stateful]
+        results: dict[Episode, list[ToolResult]] = {}
+        if trivial:
+            results.update(zip(trivial, self.run_batch([calls[e] for e in trivial])))
+        stateful = [episode for episode in calls if episode.stateful]
+        if not stateful:
+            return results
+        requests: dict[Episode, deque[bytes]] = {}
+        for episode in stateful:
+            row: list[ToolResult | None] = []
+            requests[episode] = deque()
+            for position, call in enumerate(calls[episode]):
+                if not episode.alive:
+                    row.append(self._error(f"tool {call.name!r} was not run: the environment "
+                                           f"of this episode is gone ({episode.error})",
+                                           "failed"))
+                    continue
+                error = self._call_error(call, position, episode)
+                if error is None:
+                    try:
+                        requests[episode].append(json.dumps(
+                            {"op": "call", "name": call.name, "arguments": call.arguments}
+                        ).encode())
+                        row.append(None)
+                        continue
+                    except (TypeError, ValueError, RecursionError) as exc:
+                        error = f"arguments of tool {call.name!r} are not JSON values: {exc}"
+                row.append(self._error(error, "invalid"))
+            results[episode] = row
+        with self._lock:
+            self._check_open()
+            replies = self._exchange({e: q for e, q in requests.items() if q}, "a tool call")
+        for episode, reply in replies.items():
+            row, answers = results[episode], iter(reply)
+            for index, result in enumerate(row):
+                if result is None:
+                    status, content = next(answers, ("died", ""))
+                    if status == "died":
+                        content = content or self._error(
+                            f"tool {calls[episode][index].name!r} was not run: the environment "
+                            f"of this episode is gone ({episode.error})", "failed").content
+                        status = "failed"
+                    row[index] = ToolResult(content, status)
+        return results
+
+    def episode_state(self, episode: Episode) -> Any:
+        """The environment's final `state()` as JSON values (for the checker); None for a
+        trivial episode, one whose environment is gone, or whose state() raised or is not JSON."""
+        if not episode.stateful or not episode.alive:
+            return None
+        with self._lock:
+            self._check_open()
+            replies = self._exchange({episode: deque([json.dumps({"op": "state"}).encode()])},
+                                     "the environment's state()")
+        status, content = replies[episode][0]
+        return json.loads(content) if status == "ok" else None
+
+    def close_episode(self, episode: Episode) -> None:
+        """End the episode: its environment's close() runs (if it has one), then everything its
+        process started is killed and its directory emptied; the worker serves a later episode.
+        Idempotent."""
+        if episode.closed:
+            return
+        episode.closed = True
+        worker, episode.worker = episode.worker, None
+        if worker is None:
+            return
+        with self._lock:
+            if self._closed or worker not in self._episode_workers:
+                return
+            if worker.process.poll() is None:
+                probe = Episode(None, worker)
+                replies = self._exchange({probe: deque([json.dumps({"op": "close"}).encode()])},
+                                         "closing the environment")
+                if replies[probe] and replies[probe][0][0] == "closed":
+                    self._idle.append(worker)
+                    return
+            self._retire(worker)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ToolExecutor is closed")
+
+    def _call_error(self, call: ToolCall, position: int, episode: Episode) -> str | None:
+        if position >= self.max_calls_per_turn:
+            return (f"tool call {position + 1} of this turn was not run: at most "
+                    f"{self.max_calls_per_turn} tool calls per turn")
+        return self.validate_call(episode, call)
+
+    def _new_episode_worker(self) -> _Worker:
+        worker = self._new_worker()
+        self._episode_workers.append(worker)
+        return worker
+
+    def _retire(self, worker: _Worker) -> None:
+        worker.stop()
+        if worker in self._episode_workers:
+            self._episode_workers.remove(worker)
+        if worker in self._idle:
+            self._idle.remove(worker)
+
+    def _exchange(self, requests: dict[Episode, deque[bytes]], what: str
+                  ) -> dict[Episode, list[tuple[str, str]]]:
+        """Send each episode's requests to its worker one at a time, in order, all episodes
+        concurrently; the (status, content) replies per episode. A worker that dies or passes
+        its deadline is retired and its episode ended (ENVIRONMENT_DIED); its remaining
+        requests get no reply."""
+        replies: dict[Episode, list[tuple[str, str]]] = {episode: [] for episode in requests}
+        busy: set[Episode] = set()
+        try:
+            while True:
+                for episode, queue in requests.items():
+                    worker = episode.worker
+                    if worker is None or episode in busy or not queue or not worker.isolation:
+                        continue
+                    try:
+                        worker.conn.send_bytes(queue.popleft())
+                    except OSError:
+                        self._worker_died(episode, what, queue)
+                        continue
+                    busy.add(episode)
+                    worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
+                waiting = [episode for episode in requests if episode.worker is not None
+                           and (episode in busy or not episode.worker.isolation)]
+                if not waiting:
+                    return replies
+                ready = multiprocessing.connection.wait(
+                    [episode.worker.conn for episode in waiting],
+                    timeout=max(min(e.worker.deadline for e in waiting)
+                                - time.monotonic(), 0.0))
+                for episode in waiting:
+                    worker = episode.worker
+                    assert worker is not None
+                    if worker.conn in ready:
+                        try:
+                            status, content = json.loads(worker.conn.recv_bytes())
+                        except (EOFError, OSError, ValueError):
+                            status, content = "exited", ""
+                        if status == "ready":
+                            worker.isolation = content
+                            self._note_isolation(content)
+                        elif status in ("ok", "failed", "died", "closed") and episode in busy:
+                            busy.discard(episode)
+                            replies[episode].append((status, content))
+                            if status == "died":
+                                episode._end(ENVIRONMENT_DIED, json.loads(content)["error"])
+                                requests[episode].clear()
+                        elif not worker.isolation:
+                            _stop_workers(self._workers, self._episode_workers)
+                            raise RuntimeError(
+                                f"a tool worker exited before it was ready: "
+                                f"{content or 'see its traceback on stderr'}")
+                        else:
+                            busy.discard(episode)
+                            self._worker_died(episode, what, requests[episode])
+                    elif time.monotonic() >= worker.deadline:
+                        if not worker.isolation:
+                            _stop_workers(self._workers, self._episode_workers)
+                            raise RuntimeError(
+                                f"a tool worker did not start within {self.start_timeout_s:g} s")
+                        busy.discard(episode)
+                        self._worker_died(episode, what, requests[episode], timed_out=True)
+        except BaseException:  # e.g. Ctrl-C: replies in flight would land in a later exchange
+            for episode in requests:
+                if episode.worker is not None and (episode in busy or requests[episode]):
+                    self._retire(episode.worker)
+                    episode.worker = None
+                    episode._end(ENVIRONMENT_DIED, f"interrupted during {what}")
+            raise
+
+    def _worker_died(self, episode: Episode, what: str, queue: deque, *,
+                     timed_out: bool = False) -> None:
+        worker = episode.worker
+        assert worker is not None
+        exit_code = worker.process.poll()
+        self._retire(worker)
+        episode.worker = None
+        queue.clear()
+        episode._end(ENVIRONMENT_DIED,
+                     f"the episode's worker did not answer {what} within "
+                     f"{self.timeout_s + _REPLY_GRACE_S:g} s" if timed_out else
+                     f"the episode's worker process died during {what} (exit code {exit_code})")
 
     def run_batch(self, calls_per_row: list[list[ToolCall]]) -> list[list[ToolResult]]:
         """Results in the same nesting and order; all valid calls of all rows run concurrently."""

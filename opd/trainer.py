@@ -111,7 +111,7 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
     student = build_student(config.model.student, config.student, config.optim, world)
     teacher = build_teacher(config.model.teacher, config.teacher, world)
-    executor = tool_executor(plugins.tool_registry, config.tools)
+    executor = tool_executor(plugins.tool_registry, config.tools, plugins.environment)
     resume_from = resume_path(config)
     start_step = checkpoint.load(resume_from, student, world)["step"] if resume_from else 0
     log = MetricsLog(config.run_dir, enabled=world.is_main, resume_step=start_step,

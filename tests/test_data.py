@@ -159,9 +159,12 @@ def test_completion_equals_the_rollout_of_a_student_writing_the_same_turns(
 def test_completion_rejects_what_a_rollout_could_not_hold(toolcalc_chat):
     with pytest.raises(DatasetError, match="at least one assistant message"):
         completion_trajectory(toolcalc_chat, GOOD["messages"], TOOLS)
+    # a rollout appends tool observations after a turn with calls, a user turn after one
+    # without: never both in one run of context
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                {"role": "user", "content": "again"}, {"role": "assistant", "content": "hi"}]
-    with pytest.raises(DatasetError, match="Only tool messages may sit between"):
+                {"role": "tool", "content": "{}"}, {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "hi"}]
+    with pytest.raises(DatasetError, match="Only tool messages, or only user messages, may sit"):
         completion_trajectory(toolcalc_chat, messages, None)
 
 

@@ -1,0 +1,66 @@
+"""Environments for tests/test_environments.py and tests/test_multiturn.py: module-level, so
+worker processes can import them."""
+
+import os
+import signal
+import time
+
+
+class Counter:
+    """Counts its own calls; `config` may start it elsewhere than 0."""
+
+    def __init__(self, config):
+        self.count = int(config.get("start", 0))
+        self.log = []
+
+    def call(self, name, arguments):
+        if name == "add":
+            self.count += arguments.get("by", 1)
+            self.log.append(arguments.get("by", 1))
+            return {"count": self.count}
+        if name == "get":
+            return {"count": self.count}
+        if name == "fail":
+            raise ValueError("asked to fail")
+        if name == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if name == "hang":
+            time.sleep(3600)
+        if name == "pid":
+            return os.getpid()
+        raise KeyError(name)
+
+    def state(self):
+        return {"count": self.count, "log": self.log}
+
+
+class BrokenConstructor:
+    def __init__(self, config):
+        raise RuntimeError(f"cannot build from {config}")
+
+    def call(self, name, arguments):
+        return None
+
+    def state(self):
+        return {}
+
+
+class HangingConstructor:
+    def __init__(self, config):
+        time.sleep(3600)
+
+    def call(self, name, arguments):
+        return None
+
+    def state(self):
+        return {}
+
+
+def schema(name, **properties):
+    return {"type": "function", "function": {
+        "name": name, "description": name,
+        "parameters": {"type": "object", "properties": properties}}}
+
+
+COUNTER_TOOLS = [schema("add", by={"type": "integer"}), schema("get"), schema("fail"),
+                 schema("crash"), schema("hang"), schema("pid")]
