@@ -211,8 +211,7 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
     user_turn = 0
     offered = tools_at_turn(tools, tools_by_turn, user_turn)
     ids = chat.prompt_ids(messages[:assistant_at[0]], offered)
-    trajectory = AgentTrajectory(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0,
-                                 tool_calls=0, truncated=False, spans=[(0, len(ids), "prompt")])
+    trajectory = AgentTrajectory.from_prompt(ids)
     for turn, index in enumerate(assistant_at):
         if turn > 0:
             between = messages[assistant_at[turn - 1] + 1:index]
@@ -220,19 +219,12 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
                 user_turn += 1
                 offered = tools_at_turn(tools, tools_by_turn, user_turn)
             ids, kind = _context_ids(chat, between, offered, trajectory.input_ids[-1])
-            _append(trajectory, ids, kind)
+            trajectory.append(ids, kind)
         text, stop_id = _assistant_text(chat, messages[:index], messages[index], offered)
-        _append(trajectory, chat.encode(text) + [stop_id], "assistant")
+        trajectory.append(chat.encode(text) + [stop_id], "assistant")
         trajectory.turns += 1
         trajectory.tool_calls += len(messages[index].get("tool_calls") or [])
     return trajectory
-
-
-def _append(trajectory, ids: list[int], kind: str) -> None:
-    start = len(trajectory.input_ids)
-    trajectory.input_ids.extend(ids)
-    trajectory.assistant_mask.extend([kind == "assistant"] * len(ids))
-    trajectory.spans.append((start, len(trajectory.input_ids), kind))
 
 
 def _assistant_text(chat, history: list[dict], message: dict, tools) -> tuple[str, int]:

@@ -30,8 +30,9 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+
+from opd.dist import all_reduce
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -109,18 +110,12 @@ def received() -> str | None:
 REQUEUE, END = "requeue", "end"
 
 
-def stop_requested(group=None) -> str | None:
-    """None to go on, else how every rank of `group` stops after this step: END when any rank
+def stop_requested() -> str | None:
+    """None to go on, else how every rank stops after this step: END when any rank
     got SIGTERM, REQUEUE when any got USR1. Collective: every rank calls it each step."""
     ending = "SIGTERM" in _received or LAUNCHER_EXITED in _received
     local = 2.0 if ending else 1.0 if "SIGUSR1" in _received else 0.0
-    if dist.is_available() and dist.is_initialized():
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([local], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        local = flag.item()
+    local, = all_reduce([local], op="max")
     return {0.0: None, 1.0: REQUEUE, 2.0: END}[local]
 
 

@@ -63,6 +63,19 @@ class AgentTrajectory:
     environment_state: Any = None  # a stateful environment's final state() (None: none)
     environment_error: str | None = None  # why the environment ended the episode early
 
+    @classmethod
+    def from_prompt(cls, ids: Sequence[int]) -> AgentTrajectory:
+        """A conversation of its prompt alone (context), before the first assistant turn."""
+        return cls(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0, tool_calls=0,
+                   truncated=False, spans=[(0, len(ids), "prompt")])
+
+    def append(self, ids: Sequence[int], kind: str) -> None:
+        """Append a span of `kind`; only assistant tokens are targets."""
+        start = len(self.input_ids)
+        self.input_ids.extend(ids)
+        self.assistant_mask.extend([kind == "assistant"] * len(ids))
+        self.spans.append((start, len(self.input_ids), kind))
+
     def assistant_spans(self) -> list[tuple[int, int]]:
         return [(start, end) for start, end, kind in self.spans if kind == "assistant"]
 
@@ -178,8 +191,7 @@ def _new_row(chat: ChatFormat, record: dict, index: int, cfg: RolloutConfig) -> 
         if prompt.get("tools_by_turn") else prompt.get("tools")
     ids = _prompt_ids(chat, {"messages": prompt["messages"], "tools": tools}, index,
                       cfg.max_total_len)
-    trajectory = AgentTrajectory(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0,
-                                 tool_calls=0, truncated=False, spans=[(0, len(ids), "prompt")])
+    trajectory = AgentTrajectory.from_prompt(ids)
     return _Row(prompt_index=index, tools=tools, trajectory=trajectory,
                 environment=prompt.get("environment") or {}, user_turns=user_turns(record),
                 tools_by_turn=prompt.get("tools_by_turn"))
@@ -343,14 +355,10 @@ class _BatchRollout:
         self._append_context(row, ids, "user")
 
     def _append_context(self, row: _Row, ids: list[int], kind: str) -> None:
-        trajectory = row.trajectory
-        start = len(trajectory.input_ids)
-        if start + len(ids) >= self.cfg.max_total_len:
+        if len(row.trajectory.input_ids) + len(ids) >= self.cfg.max_total_len:
             _truncate(row, "max_total_len")
             return
-        trajectory.input_ids.extend(ids)
-        trajectory.assistant_mask.extend([False] * len(ids))
-        trajectory.spans.append((start, len(trajectory.input_ids), kind))
+        row.trajectory.append(ids, kind)
 
 
 def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:

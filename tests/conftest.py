@@ -136,3 +136,21 @@ def tiny_qwen3_dir(real_qwen3_tokenizer, tmp_path_factory) -> Path:
     build_tiny_model(real_qwen3_tokenizer, path, architecture="qwen3", hidden_size=64,
                      vocab_size=QWEN3_VOCAB_SIZE)
     return path
+
+
+@pytest.fixture(scope="module")
+def executor():
+    """The toolcalc tools in the real sandbox (a module overrides it with its own tools)."""
+    from opd.tools import ToolExecutor
+    from worlds.toolcalc.tools import registry
+
+    with ToolExecutor(registry(), timeout_s=5.0) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def tools():
+    """The toolcalc tools' OpenAI schemas."""
+    from worlds.toolcalc.tools import registry
+
+    return registry().schemas

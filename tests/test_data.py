@@ -11,7 +11,6 @@ from scripted_model import ScriptedPolicy
 from opd.chat import ChatFormat
 from opd.data import DatasetError, completion_trajectory, load_jsonl, prompt_record, write_jsonl
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor
 from worlds.toolcalc.tasks import answer_text, generate_tasks, oracle_record
 from worlds.toolcalc.tokenizer import load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry
@@ -23,12 +22,6 @@ GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "tools": TO
 @pytest.fixture(scope="module")
 def toolcalc_chat():
     return ChatFormat(load_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def executor():
-    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
-        yield pool
 
 
 def write_lines(path, lines: list[str]):

@@ -11,10 +11,8 @@ from scripted_model import ScriptedPolicy
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.eval import evaluate, greedy, main, summarize
-from opd.tools import ToolExecutor
 from worlds.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
 from worlds.toolcalc.tokenizer import load_tokenizer
-from worlds.toolcalc.tools import registry as toolcalc_registry
 
 PREFIX = "<|im_start|>assistant\n"
 WORLD = ("--tools", "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer")
@@ -27,12 +25,6 @@ def call_text(name: str, arguments: dict) -> str:
 @pytest.fixture(scope="module")
 def chat():
     return ChatFormat(load_tokenizer())
-
-
-@pytest.fixture(scope="module")
-def executor():
-    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

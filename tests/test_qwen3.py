@@ -18,8 +18,7 @@ from opd.chat import ChatFormat
 from opd.eval import evaluate, greedy
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor, parse_hermes_tool_calls
-from worlds.toolcalc.tools import registry as toolcalc_registry
+from opd.tools import parse_hermes_tool_calls
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 ASSISTANT = "<|im_start|>assistant\n"
@@ -41,17 +40,6 @@ def turns(thinking: bool) -> list[str]:
     return [thought("I should write <tool_call> for 12 * 7.") + call("12 * 7"),
             thought("Now add one; another <tool_call>.") + call("84 + 1"),
             thought("The answer is 84 + 1.") + "The answer is 85."]
-
-
-@pytest.fixture(scope="module")
-def executor():
-    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def tools():
-    return toolcalc_registry().schemas
 
 
 SCRIPTS = {True: {"Q-two-hops": turns(True), "Q-direct": ["The answer is 4."],

@@ -9,7 +9,7 @@ from scripted_model import ScriptedPolicy
 from opd.chat import ChatFormat, tool_observation
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, collect_trajectory, rollout
-from opd.tools import ToolExecutor, parse_hermes_tool_calls
+from opd.tools import parse_hermes_tool_calls
 from worlds.toolcalc.tools import registry as toolcalc_registry
 
 TEMPLATE_KWARGS = {"enable_thinking": False}
@@ -26,17 +26,6 @@ SCRIPTS = {
     "Q-direct": ["The answer is 4."],
     "Q-long-turn": ["x" * 200],
 }
-
-
-@pytest.fixture(scope="module")
-def executor():
-    with ToolExecutor(toolcalc_registry(), timeout_s=5.0) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def tools():
-    return toolcalc_registry().schemas
 
 
 @pytest.fixture()
