@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     print(results_table({"model": metrics}))
+    if metrics.get("per_group"):  # per task family (record["family"]), e.g. BFCL's categories
+        print(results_table(metrics["per_group"]))
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "per_group")}))
     return report
 
