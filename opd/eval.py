@@ -7,10 +7,11 @@ and any checker `check(final_text, record) -> bool`.
 
 The checker contract, compatibly extended for stateful environments (opd.environments): a
 checker whose signature takes a third positional argument (or *args) is called as
-`check(final_text, record, state)`, where `state` is the episode's final environment state
-(`AgentTrajectory.environment_state`: what the environment's `state()` returned at the end of
-the episode, as JSON values; None with stateless tools, or when the environment died, failed
-to start or its state() failed). A two-argument checker is called as before.
+`check(final_text, record, episode)`, where `episode` is an `EpisodeOutcome`: `.state`, the
+episode's final environment state (what the environment's `state()` returned at the end, as
+JSON values; None with stateless tools, or when the environment died, failed to start or its
+state() failed), and `.calls_by_turn`, the calls the environment ran, per user turn and per
+assistant message (`AgentTrajectory.calls_by_turn`). A two-argument checker is called as before.
 
 The trainer's evals and `python -m opd.eval` are one path (`evaluate_model` under an `EvalSpec`):
 with `--recipe`, the command line evaluates exactly as the recipe's run does (its data, tools,
@@ -34,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -143,7 +145,8 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
     text = final_text(trajectory, tokenizer)
     counts = trajectory.counts
     calls_ok = counts.invalid == 0 and counts.failed == 0
-    correct = bool(call_checker(check, text, record, trajectory.environment_state))
+    episode = EpisodeOutcome(trajectory.environment_state, trajectory.calls_by_turn)
+    correct = bool(call_checker(check, text, record, episode))
     return {
         "group": record.get(GROUP_KEY), "correct": correct, "calls_ok": calls_ok,
         "truncated": trajectory.truncated, "success": correct and calls_ok and not trajectory.truncated,
@@ -156,7 +159,7 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
 
 
 def takes_state(check: Callable) -> bool:
-    """Whether `check` accepts a third positional argument (the environment's final state)."""
+    """Whether `check` accepts a third positional argument (the episode's outcome)."""
     try:
         parameters = list(inspect.signature(check).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: the two-argument contract
@@ -166,10 +169,18 @@ def takes_state(check: Callable) -> bool:
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
-def call_checker(check: Callable, text: str, record: dict, state) -> bool:
-    """`check(text, record, state)` for a checker that takes the state, else `check(text,
-    record)` (see the module docstring)."""
-    return check(text, record, state) if takes_state(check) else check(text, record)
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """What a checker may judge besides the final text (see the module docstring)."""
+
+    state: Any
+    calls_by_turn: list[list[list[dict]]]
+
+
+def call_checker(check: Callable, text: str, record: dict, episode: EpisodeOutcome) -> bool:
+    """`check(text, record, episode)` for a checker that takes it, else `check(text, record)`
+    (see the module docstring)."""
+    return check(text, record, episode) if takes_state(check) else check(text, record)
 
 
 def summarize(outcomes: list[dict]) -> dict:

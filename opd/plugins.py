@@ -13,6 +13,7 @@ A recipe names its world through these keys; the library names none:
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,7 @@ def resolve_plugins(config) -> Plugins:
 def prepared(config, plugins: Plugins, *, build: bool = True):
     """`config` with "{prepared}" resolved by the recipe's prepare step.
 
+    The step returns a path (or any `os.PathLike`, such as toolcalc's `Prepared`).
     `build=False` asks the step for its cached output only (dry run, command-line eval); the
     config comes back unresolved when nothing is cached.
     """
@@ -97,4 +99,4 @@ def prepared(config, plugins: Plugins, *, build: bool = True):
     root = plugins.prepare(build=build)
     if root is None:
         return config
-    return with_prepared(config, getattr(root, "root", root))
+    return with_prepared(config, os.fspath(root))

@@ -62,6 +62,9 @@ class AgentTrajectory:
     logprobs: list[float] = field(default_factory=list)  # one per target token, in order
     environment_state: Any = None  # a stateful environment's final state() (None: none)
     environment_error: str | None = None  # why the environment ended the episode early
+    # The calls that ran, per user turn, per assistant message: [turn][message][call], each
+    # {"name", "arguments"}; a message without calls is an empty step (what BFCL scores).
+    calls_by_turn: list[list[list[dict]]] = field(default_factory=lambda: [[]])
 
     @classmethod
     def from_prompt(cls, ids: Sequence[int]) -> AgentTrajectory:
@@ -315,6 +318,8 @@ class _BatchRollout:
                                           skip_special_tokens=False)
         calls = restrict_to_tools(self.parser(text), row.tools)
         trajectory.tool_calls += len(calls)
+        if not calls:
+            trajectory.calls_by_turn[-1].append([])
         if not calls and not row.user_turns:
             row.done = True
             return None
@@ -329,9 +334,12 @@ class _BatchRollout:
 
     def _append_observations(self, waiting: list[tuple[_Row, list]]) -> None:
         results = self.executor.run_episode_calls({row.episode: calls for row, calls in waiting})
-        for row, _ in waiting:
+        for row, calls in waiting:
             trajectory = row.trajectory
             trajectory.counts.add(results[row.episode])
+            trajectory.calls_by_turn[-1].append(
+                [{"name": call.name, "arguments": call.arguments}
+                 for call, result in zip(calls, results[row.episode]) if result.status == "ok"])
             if row.episode.end_reason is not None:
                 trajectory.environment_error = row.episode.error
                 _truncate(row, row.episode.end_reason)
@@ -353,6 +361,8 @@ class _BatchRollout:
             row.episode.offer(extra)
         ids = self.chat.user_turn_ids([message], row.tools, row.trajectory.input_ids[-1])
         self._append_context(row, ids, "user")
+        if not row.trajectory.truncated:
+            row.trajectory.calls_by_turn.append([])
 
     def _append_context(self, row: _Row, ids: list[int], kind: str) -> None:
         if len(row.trajectory.input_ids) + len(ids) >= self.cfg.max_total_len:

@@ -7,6 +7,7 @@ config, `save_pretrained` to a temp dir and loaded back by path so the real load
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,13 @@ def pytest_configure(config):
     # (prepare=tests.dist_scripts.world:prepare_tiny), as a user's plugin module on PYTHONPATH.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a launcher's --master_port (29500 may be taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 # A transcription of the chat template Qwen3 instruct models ship (from the project's shared
 # fixtures, copied so that a clone runs its tests wherever it lies).

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None,
@@ -26,7 +26,7 @@ pytestmark = [
 def test_bfcl_smoke_recipe_runs_episodes_end_to_end(tmp_path):
     env = {**os.environ, "OPD_CACHE_DIR": str(tmp_path / "cache")}
     run_dir = tmp_path / "run"
-    command = ["deepspeed", "--num_gpus", "2", "launch/train.py",
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
                "--recipe", "recipes/bfcl_smoke.yaml", f"logging.run_dir={run_dir}",
                "logging.progress=false"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,

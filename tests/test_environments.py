@@ -14,7 +14,7 @@ from sandbox_fixtures import SANDBOX_TOOLS
 
 from opd.config import load_config
 from opd.errors import ConfigError
-from opd.eval import call_checker
+from opd.eval import EpisodeOutcome, call_checker
 from opd.plugins import resolve_plugins
 from opd.tools import (
     ENVIRONMENT_DIED,
@@ -172,6 +172,7 @@ def test_the_recipe_names_an_environment_class(tmp_path):
 
 
 def test_checkers_may_take_the_final_state():
-    assert call_checker(lambda text, record: text == "a", "a", {}, {"n": 1})
-    assert call_checker(lambda text, record, state: state == {"n": 1}, "", {}, {"n": 1})
-    assert call_checker(lambda *args: len(args) == 3, "", {}, None)
+    episode = EpisodeOutcome({"n": 1}, [[[{"name": "add", "arguments": {"k": 1}}]]])
+    assert call_checker(lambda text, record: text == "a", "a", {}, episode)
+    assert call_checker(lambda text, record, ep: ep.state == {"n": 1}, "", {}, episode)
+    assert call_checker(lambda *args: len(args) == 3, "", {}, episode)

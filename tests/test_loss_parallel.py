@@ -7,7 +7,6 @@ lm_head and compares every parameter's gradient with plain torch.
 """
 
 import os
-import socket
 
 import pytest
 import reference_loss
@@ -16,16 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
+from tests.conftest import free_port
 
 WORLD = 2
 VOCAB = 38  # 19 columns per rank
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _init(rank, port):
@@ -128,7 +123,7 @@ def _vocab_parallel_worker(rank, port):
 
 
 def test_vocab_parallel_matches_unsharded():
-    mp.spawn(_vocab_parallel_worker, args=(_free_port(),), nprocs=WORLD)
+    mp.spawn(_vocab_parallel_worker, args=(free_port(),), nprocs=WORLD)
 
 
 class _TinyLM(torch.nn.Module):
@@ -211,4 +206,4 @@ def _check_zero3(rank, tied):
 def test_zero3_partitioned_lm_head_gets_the_full_gradient():
     """Untied and tied (lm_head = embedding) heads, two micro-batches of accumulation."""
     pytest.importorskip("deepspeed")
-    mp.spawn(_zero3_worker, args=(_free_port(),), nprocs=WORLD)
+    mp.spawn(_zero3_worker, args=(free_port(),), nprocs=WORLD)

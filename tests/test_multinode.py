@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 NODE_LAUNCHER = REPO / "launch" / "slurm" / "node.sh"
 TRAIN_SCRIPT = REPO / "launch" / "train.py"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
@@ -35,7 +31,7 @@ def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
     cluster.write_text(yaml.safe_dump({"cluster": {
         "name": "two-nodes", "device": "cpu", "dist_backend": "gloo", "threads_per_rank": 1,
         "nodes": 2, "procs_per_node": 1}}))
-    port = str(_free_port())
+    port = str(free_port())
     nodes = []
     for node_rank in range(2):
         env = dict(os.environ, SLURM_NNODES="2", SLURM_NODEID=str(node_rank),

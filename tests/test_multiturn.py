@@ -93,6 +93,10 @@ def test_user_turns_are_context_and_every_assistant_token_a_target(scripted, exe
     assert alpha.environment_state == {"count": 7, "log": [2]}
     assert beta.environment_state == {"count": 101, "log": [1]}
     assert (beta.turns, beta.truncated) == (2, False)
+    # what a call-judging checker (BFCL's) sees: the calls that ran, per user turn and message
+    assert alpha.calls_by_turn == [[[]], [[{"name": "add", "arguments": {"by": 2}}], []],
+                                   [[{"name": "get", "arguments": {}}], []]]
+    assert beta.calls_by_turn == [[[{"name": "add", "arguments": {"by": 1}}], []]]
 
 
 def test_dying_and_unbuildable_environments_truncate_only_their_episode(scripted, executor):
@@ -129,6 +133,8 @@ def test_tools_by_turn_offers_tools_from_their_user_turn_on(scripted, executor):
         "assistant"]
     assert (later.counts.invalid, later.counts.valid) == (1, 1)
     assert later.environment_state == {"count": 3, "log": [3]}
+    # the call refused before its tool was offered did not run, so it is not a call of the turn
+    assert later.calls_by_turn == [[[], []], [[{"name": "add", "arguments": {"by": 3}}], []]]
 
 
 def test_completion_of_a_multi_user_turn_conversation_equals_the_scripted_rollout(

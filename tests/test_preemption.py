@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 3000  # far more than the test lets pass before it signals
@@ -54,11 +55,6 @@ def fake_training(run_dir: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _fake_scontrol(bin_dir: Path, log: Path, exit_code: int = 0) -> None:
     bin_dir.mkdir(exist_ok=True)
@@ -90,7 +86,7 @@ def _step(run_dir: Path, rank: int) -> int:
 def test_signal_to_one_rank_stops_all_ranks_after_the_same_step(tmp_path, signum):
     log = tmp_path / "scontrol.log"
     _fake_scontrol(tmp_path / "bin", log)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from opd.data import DatasetError, load_jsonl
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": 4}
@@ -144,11 +145,6 @@ def world_dir(tmp_path_factory) -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -183,7 +179,7 @@ def test_a_signal_that_kills_the_launcher_stops_its_ranks_with_a_checkpoint(
     start = {"deepspeed": ["deepspeed", "--num_gpus", "2"],
              "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]}
     log = (tmp_path / "log").open("w")
-    runner = subprocess.Popen([*start[launcher], "--master_port", str(_free_port()),
+    runner = subprocess.Popen([*start[launcher], "--master_port", str(free_port()),
                                "launch/train.py", *recipe], cwd=REPO, env=_env(), stdout=log,
                               stderr=subprocess.STDOUT)
     below = []
@@ -216,7 +212,7 @@ def test_a_signal_that_kills_the_launcher_stops_its_ranks_with_a_checkpoint(
 
 def test_a_stopped_rank_fails_the_other_after_the_collective_timeout(world_dir, tmp_path):
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(2):
         logs.append(tmp_path / f"rank{rank}.log")
@@ -260,7 +256,7 @@ def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, t
 
     run_dir = tmp_path / "run"
     env = dict(_env(), SLURM_NNODES="1", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+               MASTER_PORT=str(free_port()))
     env.pop("SLURM_JOB_ID", None)
     with (tmp_path / "log").open("w") as log:
         node = subprocess.Popen(["bash", "launch/slurm/node.sh", "2", sys.executable,

@@ -22,6 +22,7 @@ from opd.config import load_config
 from opd.dist import World
 from opd.metrics import read_metrics
 from opd.steps import learning_rate, off_policy, step_records
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 from dist_scripts.world import build_world  # noqa: E402
@@ -132,9 +133,9 @@ def launch(launcher: str, script: str, *args: str,
            env: dict | None = None) -> subprocess.CompletedProcess:
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(_free_port()), script, *args]
+                   "--master_port", str(free_port()), script, *args]
     elif launcher == "deepspeed":
-        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), script,
+        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), script,
                    *args]
     else:
         command = [sys.executable, script, *args]
@@ -144,12 +145,6 @@ def launch(launcher: str, script: str, *args: str,
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return result
 
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("backend,teacher,tp_size", [("deepspeed", "zero_inference", 0),

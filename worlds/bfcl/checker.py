@@ -110,13 +110,15 @@ def calls_from_state(state: dict | None, turns: int) -> list | None:
     return None
 
 
-def check(final_text: str, record: dict, state: dict | None = None,
+def check(final_text: str, record: dict, episode=None,
           calls_by_turn: Sequence | None = None) -> bool:
     """eval.checker: whether BFCL's multi-turn checker accepts the episode (`final_text` is not
-    used: BFCL judges calls and states, not a final answer)."""
+    used: BFCL judges calls and states, not a final answer). `episode` is opd.eval's
+    EpisodeOutcome (its calls_by_turn), or an environment state that carries the calls."""
     turns = len(record["ground_truth"])
     if calls_by_turn is None:
-        calls_by_turn = calls_from_state(state, turns)
+        calls_by_turn = getattr(episode, "calls_by_turn", None) \
+            or calls_from_state(episode if isinstance(episode, dict) else None, turns)
     if calls_by_turn is None:
         raise ValueError(
             f"{record.get('id')}: the BFCL checker needs the student's calls per user turn "

@@ -98,6 +98,9 @@ class Prepared:
     root: Path
     report: dict = field(default_factory=dict)
 
+    def __fspath__(self) -> str:
+        return str(self.root)
+
     @property
     def tokenizer(self) -> Path:
         return self.root / "tokenizer"
