@@ -10,8 +10,9 @@ globals, in the calling process). Ours:
     processes   N concurrent episodes in N long-lived spawned worker processes, each holding its
                 environment for the episode's lifetime (what a sandboxed worker does, without
                 opd's sandbox limits): pickling transport included, pool start included
-    sandbox     through opd.environments (the project's sandboxed stateful workers): run when
-                that interface is installed, else null
+    sandbox     through opd's sandboxed stateful workers (ToolExecutor episodes, what a rollout
+                uses): `concurrency` live episodes, each in its own sandboxed worker, fed one
+                user turn's calls per request; episode open and close included
 
 Prints one JSON line: episodes/s and tool calls/s of each, and each ratio to the baseline.
 
@@ -21,15 +22,12 @@ Prints one JSON line: episodes/s and tool calls/s of each, and each ratio to the
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import multiprocessing
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from opd.data import tools_at_turn
+from opd.tools import ToolCall, ToolExecutor, ToolRegistry
 from worlds.bfcl.convert import convert
 from worlds.bfcl.environment import BFCLEnvironment
 
@@ -80,12 +78,34 @@ def processes(records: list[dict], concurrency: int) -> float:
     return time.perf_counter() - started
 
 
-def sandbox(records: list[dict], concurrency: int) -> float | None:
-    if importlib.util.find_spec("opd.environments") is None:
-        return None
-    # Wired once the environment interface is merged: N concurrent episodes through
-    # opd.environments' sandboxed stateful workers, replaying the same calls.
-    return None
+def sandbox(records: list[dict], concurrency: int) -> tuple[float, float]:
+    """(seconds in all, seconds inside run_episode_calls): the rest is opening episodes
+    (a fork and the backends' construction) and reading and closing them."""
+    calling = 0.0
+    started = time.perf_counter()
+    with ToolExecutor(ToolRegistry([]), environment=BFCLEnvironment, num_workers=concurrency,
+                      max_calls_per_turn=64, max_result_chars=1 << 20) as pool:
+        for first in range(0, len(records), concurrency):
+            batch = records[first:first + concurrency]
+            live = pool.open_episodes(
+                [r["environment"] for r in batch],
+                [tools_at_turn(r["tools"], r.get("tools_by_turn"), len(r["ground_truth_calls"]))
+                 for r in batch])
+            broken = [episode.error for episode in live if not episode.alive]
+            if broken:
+                raise SystemExit(f"an episode could not start in the sandbox: {broken[0]}")
+            for turn in range(max(len(r["ground_truth_calls"]) for r in batch)):
+                turn_started = time.perf_counter()
+                pool.run_episode_calls({
+                    episode: [ToolCall(c["name"], c["arguments"])
+                              for c in record["ground_truth_calls"][turn]]
+                    for episode, record in zip(live, batch)
+                    if turn < len(record["ground_truth_calls"])})
+                calling += time.perf_counter() - turn_started
+            for episode in live:
+                pool.episode_state(episode)
+                pool.close_episode(episode)
+    return time.perf_counter() - started, calling
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,18 +118,24 @@ def main(argv: list[str] | None = None) -> dict:
     records = (records * (args.episodes // len(records) + 1))[:args.episodes]
     calls = sum(len(turn) for r in records for turn in r["ground_truth_calls"])
     inprocess(records[:5])  # warm imports and caches
+    sandbox_s, sandbox_calls_s = sandbox(records, args.concurrency)
     timings = {"bfcl_inprocess": bfcl_baseline(records), "ours_inprocess": inprocess(records),
-               "ours_processes": processes(records, args.concurrency),
-               "ours_sandbox": sandbox(records, args.concurrency)}
+               "ours_processes": processes(records, args.concurrency), "ours_sandbox": sandbox_s}
     result: dict = {"bench": "environments", "category": args.category,
                     "episodes": len(records), "tool_calls": calls,
                     "concurrency": args.concurrency}
     base = timings["bfcl_inprocess"]
     for name, seconds in timings.items():
-        result[f"{name}_episodes_per_s"] = round(len(records) / seconds, 1) if seconds else None
-        result[f"{name}_calls_per_s"] = round(calls / seconds, 1) if seconds else None
+        result[f"{name}_episodes_per_s"] = round(len(records) / seconds, 1)
+        result[f"{name}_calls_per_s"] = round(calls / seconds, 1)
         if name != "bfcl_inprocess":
-            result[f"{name}_ratio"] = round(base / seconds, 3) if seconds else None
+            result[f"{name}_ratio"] = round(base / seconds, 3)
+    # The sandbox's cost per call, an upper bound: wall time inside run_episode_calls per call
+    # with `concurrency` episodes in flight, the call's own work included; and per episode,
+    # open (fork, the backends' construction) + state() + close.
+    result["sandbox_ms_per_call"] = round(sandbox_calls_s / calls * 1e3, 3)
+    result["sandbox_episode_open_close_ms"] = round(
+        (sandbox_s - sandbox_calls_s) / len(records) * 1e3, 3)
     print(json.dumps(result))
     return result
 

@@ -2,23 +2,20 @@
 against a call into a live episode of a stateful environment (one child per episode, no fork
 per call). Trivial calls, so the figure is the sandbox's own cost. Prints one JSON line.
 
-    python bench/tool_calls.py                 # 200 calls, 8 workers / 8 live episodes
-    python bench/tool_calls.py --calls 1000 --workers 4
+    python -m bench.tool_calls                 # 200 calls, 8 workers / 8 live episodes
+    python -m bench.tool_calls --calls 1000 --workers 4
+
+Run as a module from the checkout's root: the trivial tool and environment are the tests' own
+(tests/tool_fixtures.py, tests/env_fixtures.py), imported by name in the workers.
 """
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from env_fixtures import COUNTER_TOOLS, Counter  # noqa: E402
-from tool_fixtures import echo  # noqa: E402
-
-from opd.tools import Tool, ToolCall, ToolExecutor, ToolRegistry  # noqa: E402
+from opd.tools import Tool, ToolCall, ToolExecutor, ToolRegistry
+from tests.env_fixtures import COUNTER_TOOLS, Counter
+from tests.tool_fixtures import echo
 
 GET = ToolCall("get", {})
 

@@ -10,6 +10,8 @@ observation, exposes its final state to the checker, and is closed at the end.
         def call(self, name: str, arguments: dict) -> Any: ...   # a JSON-able result
         def state(self) -> dict: ...                 # JSON-able final state, for the checker
         def close(self) -> None: ...                 # optional
+        @classmethod
+        def preload(cls) -> None: ...                # optional, see below
 
 - The tools the student may call, and their argument schemas, are the record's "tools" (OpenAI
   function schemas), plus its "tools_by_turn" entries as user turns reach them (opd.data).
@@ -34,7 +36,12 @@ observation, exposes its final state to the checker, and is closed at the end.
   everything the episode's process started is killed and its directory emptied.
 
 The class must be importable by name from a module (not defined in `__main__`): the worker
-imports it there.
+imports it there. When the trainer runs as root, episodes run as an unprivileged user that may
+not read the trainer's files (a Python installed under /root, data under a private home): a
+module or data file imported lazily in `__init__` would then fail. `preload()`, when the class
+has it, runs once in each worker before any episode, still as the trainer's user: import and
+read there what every episode needs (episodes are forked from it and inherit it). If it raises,
+the worker does not start and the run stops with the reason.
 """
 
 from __future__ import annotations

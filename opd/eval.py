@@ -45,7 +45,7 @@ from opd.errors import ConfigError, MissingFileError, OPDError
 from opd.inputs import chat_format, load_prompts
 from opd.plugins import Plugins, prepared, resolve_plugins
 from opd.rollout import rollout
-from opd.tools import ToolExecutor, ToolRegistry
+from opd.tools import ENVIRONMENT_START_FAILED, ToolExecutor, ToolRegistry
 
 GROUP_KEY = "family"
 SAMPLES_KEPT = 10
@@ -113,7 +113,17 @@ def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg
                                parser=parser)
         for record, trajectory in zip(batch, trajectories):
             outcomes.append(_outcome(record, trajectory, chat.tokenizer, check))
+        _refuse_environments_that_never_start(trajectories)
     return summarize(outcomes)
+
+
+def _refuse_environments_that_never_start(trajectories: Sequence) -> None:
+    """A batch where no episode could construct its environment is a broken setup (the
+    environment cannot run in the sandbox), not a model scoring 0: stop with the reason."""
+    if trajectories and all(t.truncation_reason == ENVIRONMENT_START_FAILED
+                            for t in trajectories):
+        raise OPDError(f"no episode of an eval batch could start its environment "
+                       f"(tools.environment): {trajectories[0].environment_error}")
 
 
 def tool_executor(registry: ToolRegistry, tools: ToolsConfig,

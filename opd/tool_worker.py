@@ -194,6 +194,14 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
         with contextlib.suppress(OSError):
             _send(conn, "error", f"cannot load the tool functions: {_describe_exception(exc)}")
         return
+    try:  # while still the trainer's user: episode children may not read its files
+        if environment is not None and hasattr(environment, "preload"):
+            environment.preload()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            _send(conn, "error", f"{getattr(environment, '__name__', 'the environment')}."
+                                 f"preload() raised {_describe_exception(exc)}")
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)

@@ -64,3 +64,24 @@ def schema(name, **properties):
 
 COUNTER_TOOLS = [schema("add", by={"type": "integer"}), schema("get"), schema("fail"),
                  schema("crash"), schema("hang"), schema("pid")]
+
+
+class Preloaded(Counter):
+    """Reads what its episodes need in preload() (in the worker, before episodes fork)."""
+
+    loaded_in_pid = None
+
+    @classmethod
+    def preload(cls):
+        cls.loaded_in_pid = os.getpid()
+
+    def call(self, name, arguments):
+        if name == "get":
+            return {"loaded_in_pid": type(self).loaded_in_pid, "episode_pid": os.getpid()}
+        return super().call(name, arguments)
+
+
+class FailingPreload(Counter):
+    @classmethod
+    def preload(cls):
+        raise FileNotFoundError("no such file: scenarios.json")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import builtins
 import copy
 import json
-import multiprocessing
 import re
 from collections import Counter
 
@@ -25,7 +24,7 @@ from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
 
 from opd.tools import Tool, ToolCall, ToolRegistry
 from worlds.bfcl.checker import calls_from_messages, check, score
-from worlds.bfcl.convert import CATEGORIES, call_string, convert, split_of
+from worlds.bfcl.convert import CATEGORIES, MULTI_TURN_CLASSES, call_string, convert, split_of
 from worlds.bfcl.environment import (
     CALLS_KEY,
     BFCLEnvironment,
@@ -82,6 +81,8 @@ def bfcl_ground_truth_state(record: dict) -> dict:
 
 def test_converted_records(records):
     assert Counter(r["family"] for r in records) == {c: 200 for c in CATEGORIES}
+    assert {c for r in records for c in r["environment"]["involved_classes"]} \
+        == set(MULTI_TURN_CLASSES)  # what BFCLEnvironment.preload loads
     for record in records:
         entry_turns = len(record["ground_truth"])
         assert [m["role"] for m in record["messages"]] == ["user"] * entry_turns
@@ -211,27 +212,37 @@ def test_environment_refuses_unknown_names_and_wrong_types_and_never_evaluates(
     assert [c["ok"] for c in env.state()[CALLS_KEY]][-5:] == [False, False, False, True, True]
 
 
-def _run_in_subprocess(environment: dict, calls: list, queue) -> None:
-    env = BFCLEnvironment(environment)
-    results = [env.call(c["name"], c["arguments"]) for c in calls]
-    queue.put(json.dumps({"results": results, "state": env.state()}))
-    env.close()
+def test_episodes_in_the_sandbox_match_in_process(records):
+    """What a rollout runs: each episode in its own sandboxed worker (the unprivileged user when
+    the trainer is root, which may not read bfcl-eval's install: BFCLEnvironment.preload), one
+    task per category, long_context included; the same results and final state as in-process."""
+    from opd.data import tools_at_turn
+    from opd.tools import ToolExecutor
 
-
-def test_environment_in_a_plain_subprocess_matches_in_process(records):
-    record = next(r for r in records if r["id"] == "multi_turn_long_context_5")
-    calls = [c for turn in record["ground_truth_calls"] for c in turn]
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_run_in_subprocess,
-                              args=(record["environment"], calls, queue))
-    process.start()
-    there = json.loads(queue.get(timeout=60))
-    process.join(timeout=30)
-    env = BFCLEnvironment(record["environment"])
-    here = {"results": [env.call(c["name"], c["arguments"]) for c in calls],
-            "state": env.state()}
-    assert json.loads(json.dumps(here)) == there
+    chosen = [next(r for r in records if r["family"] == family) for family in CATEGORIES]
+    with ToolExecutor(ToolRegistry([]), environment=BFCLEnvironment, num_workers=len(chosen),
+                      max_result_chars=1 << 20, max_calls_per_turn=64) as pool:
+        episodes = pool.open_episodes(
+            [r["environment"] for r in chosen],
+            [tools_at_turn(r["tools"], r.get("tools_by_turn"), len(r["ground_truth_calls"]))
+             for r in chosen])
+        assert [e.error for e in episodes] == [None] * len(chosen)
+        there = {e: [] for e in episodes}
+        for turn in range(max(len(r["ground_truth_calls"]) for r in chosen)):
+            replies = pool.run_episode_calls({
+                e: [ToolCall(c["name"], c["arguments"]) for c in r["ground_truth_calls"][turn]]
+                for e, r in zip(episodes, chosen) if turn < len(r["ground_truth_calls"])})
+            for episode, results in replies.items():
+                there[episode].extend(json.loads(result.content) for result in results)
+        states = [pool.episode_state(e) for e in episodes]
+        for episode in episodes:
+            pool.close_episode(episode)
+    for episode, state, record in zip(episodes, states, chosen):
+        env = BFCLEnvironment(record["environment"])
+        here = [env.call(c["name"], copy.deepcopy(c["arguments"]))
+                for turn in record["ground_truth_calls"] for c in turn]
+        assert there[episode] == json.loads(json.dumps(here)), record["id"]
+        assert state == json.loads(json.dumps(env.state())), record["id"]
 
 
 def test_checker_plugin_takes_calls_from_the_state_or_a_conversation(records):

@@ -38,5 +38,8 @@ def test_bfcl_smoke_recipe_runs_episodes_end_to_end(tmp_path):
     after = report.get("after", report)
     text = json.dumps(after)
     assert "per_group" in text and "base" in text  # scored per BFCL category
+    # the episodes really ran in the sandbox (as the unprivileged user when root): an episode
+    # whose environment cannot start has no turn
+    assert after["mean_turns"] >= 1 and after["mean_generated_tokens"] > 0, after
     assert (run_dir / "final" / "config.json").is_file()
     sys.stdout.write(text[:2000])

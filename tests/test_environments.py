@@ -9,7 +9,14 @@ import signal
 import time
 
 import pytest
-from env_fixtures import COUNTER_TOOLS, BrokenConstructor, Counter, HangingConstructor
+from env_fixtures import (
+    COUNTER_TOOLS,
+    BrokenConstructor,
+    Counter,
+    FailingPreload,
+    HangingConstructor,
+    Preloaded,
+)
 from sandbox_fixtures import SANDBOX_TOOLS
 
 from opd.config import load_config
@@ -139,6 +146,24 @@ def test_a_constructor_that_raises_or_hangs_ends_only_its_episode(environment, w
         assert bad.end_reason == ENVIRONMENT_START_FAILED
         assert "Counter raised ValueError" in bad.error
         assert good.alive and pool.run_episode_calls({good: [add()]})[good][0].status == "ok"
+
+
+def test_preload_runs_once_per_worker_before_its_episodes_fork():
+    with ToolExecutor(ToolRegistry([]), environment=Preloaded, num_workers=2) as pool:
+        first, second = pool.open_episodes([{}, {}], [COUNTER_TOOLS] * 2)
+        seen = pool.run_episode_calls({first: [ToolCall("get", {})],
+                                       second: [ToolCall("get", {})]})
+    for episode in (first, second):
+        (reply,) = contents(seen[episode])
+        # loaded by the worker's zygote (not this process, not the episode's own child)
+        assert reply["loaded_in_pid"] not in (None, os.getpid(), reply["episode_pid"])
+
+
+def test_a_failing_preload_stops_before_any_episode_with_its_reason():
+    with ToolExecutor(ToolRegistry([]), environment=FailingPreload) as pool, \
+            pytest.raises(RuntimeError, match=r"FailingPreload.preload\(\) raised "
+                                               r"FileNotFoundError.*scenarios.json"):
+        pool.open_episodes([{}], [COUNTER_TOOLS])
 
 
 def test_stateless_tools_are_trivial_episodes_with_fresh_state():

@@ -11,6 +11,8 @@ from scripted_model import ScriptedPolicy
 
 from opd.chat import ChatFormat
 from opd.data import completion_trajectory, prompt_record, user_turns
+from opd.errors import OPDError
+from opd.eval import evaluate
 from opd.rollout import RolloutConfig, rollout
 from opd.tools import ToolExecutor, ToolRegistry
 
@@ -109,6 +111,15 @@ def test_dying_and_unbuildable_environments_truncate_only_their_episode(scripted
         ("environment_start_failed", 0, 0)
     assert "constructor" in delta.environment_error
     assert not alpha.truncated and alpha.environment_state == {"count": 7, "log": [2]}
+
+
+def test_eval_stops_when_no_episode_of_a_batch_can_start_its_environment(scripted, executor):
+    chat, policy = scripted
+    cfg = RolloutConfig(max_turns=8, max_new_tokens=64, max_total_len=2048, batch_size=2)
+    metrics = evaluate(policy, chat, executor, [ALPHA, DELTA], lambda text, record: True, cfg)
+    assert metrics["truncation_rate"] == 0.5  # one broken record is that task's failure
+    with pytest.raises(OPDError, match=r"could start its environment.*constructor"):
+        evaluate(policy, chat, executor, [DELTA, DELTA], lambda text, record: True, cfg)
 
 
 def test_max_turns_counts_assistant_turns_over_the_whole_episode(scripted, executor):

@@ -73,6 +73,12 @@ def openai_types() -> dict[str, str]:
     return importlib.import_module("bfcl_eval.constants.type_mappings").GORILLA_TO_OPENAPI
 
 
+# The backends of the four multi-turn categories (web_search and memory, which need a network
+# or embeddings and their packages, are out of scope).
+MULTI_TURN_CLASSES = ("GorillaFileSystem", "MathAPI", "MessageAPI", "TicketAPI", "TradingBot",
+                      "TravelAPI", "TwitterAPI", "VehicleControlAPI")
+
+
 @cache
 def backend_class(class_name: str) -> type:
     mapping = _backend_config().CLASS_FILE_PATH_MAPPING

@@ -27,7 +27,13 @@ import json
 from typing import Any
 
 from opd.tools import Tool, ToolCall, ToolRegistry
-from worlds.bfcl.convert import backend_class, stateless, task_functions, task_schemas
+from worlds.bfcl.convert import (
+    MULTI_TURN_CLASSES,
+    backend_class,
+    stateless,
+    task_functions,
+    task_schemas,
+)
 
 CALLS_KEY = "calls"
 
@@ -57,6 +63,15 @@ class BFCLEnvironment:
         self.registry = ToolRegistry([Tool(schema, _not_called)
                                       for schema in task_schemas(self.classes)])
         self.calls: list[dict] = []
+
+    @classmethod
+    def preload(cls) -> None:
+        """Import every backend and read every function doc in the worker, before episodes
+        fork and drop to an unprivileged user that may not read bfcl-eval's install."""
+        for class_name in MULTI_TURN_CLASSES:
+            backend_class(class_name)
+            stateless(class_name)
+            task_schemas([class_name])
 
     def call(self, name: str, arguments: dict) -> Any:
         if name not in self.owners:
