@@ -28,12 +28,15 @@ OVERRIDE_SOURCE = "command line"
 PREPARED = "{prepared}"
 
 
+WandbMode = Literal["offline", "online", "disabled"]
+
 
 def rule(ok: Callable[[Any], bool], must: str, default: Any = MISSING, *,
          factory: Callable[[], Any] | None = None) -> Any:
     """A field whose value must pass `ok`; `must` completes "key must be ..." in the error."""
-    kwargs = {"default_factory": factory} if factory is not None else {"default": default}
-    return field(metadata={"rule": (ok, must)}, **kwargs)
+    if factory is not None:
+        return field(metadata={"rule": (ok, must)}, default_factory=factory)
+    return field(metadata={"rule": (ok, must)}, default=default)
 
 
 def at_least(bound: float, default: Any, note: str = "") -> Any:
@@ -178,7 +181,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = ""  # empty: runs/<name>
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_mode: WandbMode = "offline"
     wandb_project: str = "opd-recipes"
     progress: bool = True
 
@@ -400,7 +403,7 @@ def _build(cls: type, values: Any, prefix: str, sources: dict[str, str]):
             continue
         dotted = f"{prefix}{name}"
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, values[name], f"{dotted}.", sources)
         else:
             kwargs[name] = _coerce(values[name], hint, dotted, sources)

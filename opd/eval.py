@@ -94,7 +94,7 @@ class EvalSpec:
 
 def spec_from_config(config, plugins: Plugins, records: list[dict]) -> EvalSpec:
     """The evaluation a recipe describes, on `records` (its checked data.eval)."""
-    return EvalSpec(records=records, checker=plugins.checker, tool_registry=plugins.tool_registry,
+    return EvalSpec(records=records, checker=plugins.eval_checker, tool_registry=plugins.tool_registry,
                     parser=plugins.parser, rollout=greedy(config.rollout), tools=config.tools,
                     chat_template_kwargs=config.model.chat_template_kwargs,
                     tokenizer=config.model.tokenizer, seed=config.seed,

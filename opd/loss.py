@@ -223,8 +223,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     a zero that still has a graph. `teacher_logits` may also be a TopKTeacher whose leading
     dims are [batch, time]. Extra memory is O(chunk_size x vocab) plus the logits' gradient.
     """
-    topk = teacher_logits if isinstance(teacher_logits, TopKTeacher) else None
-    teacher_shape = tuple(topk.token_ids.shape if topk else teacher_logits.shape)
+    if isinstance(teacher_logits, TopKTeacher):
+        topk, teacher_shape = teacher_logits, tuple(teacher_logits.token_ids.shape)
+    else:
+        topk, teacher_shape = None, tuple(teacher_logits.shape)
     same_vocab = topk is not None or vocab_size is not None \
         or teacher_shape == tuple(student_logits.shape)
     if student_logits.ndim != 3 or teacher_shape[:-1] != tuple(student_logits.shape[:2]) \
@@ -244,7 +246,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     mask = _bool_mask(target_mask)
     if not mask.any():
         return student_logits[:, :0, :].sum()
-    teacher = _Teacher(topk=topk) if topk else _Teacher(logits=teacher_logits.detach())
+    teacher = _Teacher(topk=teacher_logits) if isinstance(teacher_logits, TopKTeacher) \
+        else _Teacher(logits=teacher_logits.detach())
     return _run(student_logits, None, None, mask, teacher, width, offset, float(temperature),
                 direction, beta, reduction, chunk_size, vocab_parallel_group)
 

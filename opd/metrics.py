@@ -17,6 +17,10 @@ import re
 import secrets
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opd.config import WandbMode
 
 PLOTTED = ("loss", "kl_per_token", "grad_norm", "lr", "target_tokens", "tokens_per_s",
            "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "rollout_s",
@@ -38,7 +42,7 @@ class MetricsLog:
     """Appends step records to `metrics.jsonl` (rank 0) and mirrors them to wandb."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, resume_step: int = 0,
-                 wandb_mode: str = "disabled", wandb_project: str = "opd-recipes",
+                 wandb_mode: WandbMode = "disabled", wandb_project: str = "opd-recipes",
                  run_name: str = "run", config: dict | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled

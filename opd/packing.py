@@ -106,7 +106,10 @@ def pack_varlen(trajectories, max_tokens: int) -> list[PackedBatch]:
 
 
 def _pack_bin(trajectories: Sequence, indices: list[int]) -> PackedBatch:
-    ids, positions, targets, bounds = [], [], [], [0]
+    ids: list[int] = []
+    positions: list[int] = []
+    targets: list[bool] = []
+    bounds = [0]
     for trajectory in trajectories:
         size = len(trajectory.input_ids)
         ids.extend(trajectory.input_ids)

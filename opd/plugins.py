@@ -56,6 +56,14 @@ class Plugins:
     checker: Callable | None
     environment: type | None = None  # a stateful environment class (opd.environments)
 
+    @property
+    def eval_checker(self) -> Callable[..., bool]:
+        """The checker, to evaluate (the config requires one wherever data.eval is set)."""
+        if self.checker is None:
+            raise ConfigError("eval.checker must name a module:function(final_text, record) "
+                              "-> bool to evaluate.")
+        return self.checker
+
 
 def resolve_plugins(config) -> Plugins:
     """Every plugin of `config`, resolved and called where cheap (the tool registry), so that a

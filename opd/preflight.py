@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from opd.config import Config, ConfigError, to_yaml
+from opd.config import Config, ConfigError, WandbMode, to_yaml
 from opd.dist import World, all_gather_objects, broadcast_object
 
 # Keys that may change when a run resumes: more steps, logging, evaluation, the cluster it runs on
@@ -110,7 +110,7 @@ def _has_wandb_key(host: str) -> bool:
         return False
 
 
-def wandb_mode(config: Config) -> str:
+def wandb_mode(config: Config) -> WandbMode:
     """The wandb mode to run with: online only with a key and a host that answers."""
     if config.logging.wandb_mode != "online":
         return config.logging.wandb_mode

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError:
         sys.exit(f"error: sbatch is not on PATH; {path} is written, submit it from a Slurm "
                  "login node.")
+    assert submitted.stdout is not None  # stdout=PIPE
     job = submitted.stdout.readline().strip().split(";")[0]
     if job:
         print(f"Submitted {path} as job {job}. Watch: squeue -j {job}; "

@@ -210,7 +210,7 @@ def validate_call(call: ToolCall, schemas: dict[str, dict]) -> str | None:
     if call.error is not None:
         return call.error
     schema = schemas.get(call.name) if call.name is not None else None
-    if schema is None:
+    if call.name is None or schema is None:
         return f"unknown tool {call.name!r}; available tools: {', '.join(schemas)}"
     if not isinstance(call.arguments, dict):
         return (f"arguments of tool {call.name!r} must be a JSON object, "
@@ -270,7 +270,7 @@ def _json_type(value: Any) -> str:
         return "a boolean"
     if isinstance(value, (int, float)):
         return "a number"
-    names = {str: "a string", list: "an array", dict: "an object"}
+    names: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
     return names.get(type(value), type(value).__name__)
 
 
@@ -410,6 +410,12 @@ class _Worker:
         exit_code = self.process.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
         return exit_code
+
+
+def _answered(results: list[ToolResult | None]) -> list[ToolResult]:
+    """Results once every placeholder of a batch is filled in."""
+    assert all(result is not None for result in results), "a call got no result"
+    return [result for result in results if result is not None]
 
 
 def _stop_workers(*pools: list[_Worker]) -> None:
@@ -581,12 +587,12 @@ class ToolExecutor:
         process gets a "failed" result, and the episode ends (ENVIRONMENT_DIED): its state is
         gone, its later calls of the turn are not run (failed), and other episodes go on."""
         trivial = [episode for episode in calls if not episode.stateful]
-        results: dict[Episode, list[ToolResult]] = {}
+        results: dict[Episode, list[ToolResult | None]] = {}
         if trivial:
-            results.update(zip(trivial, self.run_batch([calls[e] for e in trivial])))
+            results.update(zip(trivial, map(list, self.run_batch([calls[e] for e in trivial]))))
         stateful = [episode for episode in calls if episode.stateful]
         if not stateful:
-            return results
+            return {episode: _answered(row) for episode, row in results.items()}
         requests: dict[Episode, deque[bytes]] = {}
         for episode in stateful:
             row: list[ToolResult | None] = []
@@ -623,7 +629,7 @@ class ToolExecutor:
                             f"of this episode is gone ({episode.error})", "failed").content
                         status = "failed"
                     row[index] = ToolResult(content, status)
-        return results
+        return {episode: _answered(row) for episode, row in results.items()}
 
     def episode_state(self, episode: Episode) -> Any:
         """The environment's final `state()` as JSON values (for the checker); None for a
@@ -706,9 +712,10 @@ class ToolExecutor:
                            and (episode in busy or not episode.worker.isolation)]
                 if not waiting:
                     return replies
+                workers = [episode.worker for episode in waiting if episode.worker is not None]
                 ready = multiprocessing.connection.wait(
-                    [episode.worker.conn for episode in waiting],
-                    timeout=max(min(e.worker.deadline for e in waiting)
+                    [worker.conn for worker in workers],
+                    timeout=max(min(worker.deadline for worker in workers)
                                 - time.monotonic(), 0.0))
                 for episode in waiting:
                     worker = episode.worker
@@ -773,12 +780,13 @@ class ToolExecutor:
             results: list[ToolResult | None] = [None] * len(flat)
             pending: deque[tuple[int, str, bytes]] = deque()
             for index, (call, position) in enumerate(flat):
+                error: str | None
                 if position >= self.max_calls_per_turn:
                     error = (f"tool call {position + 1} of this turn was not run: at most "
                              f"{self.max_calls_per_turn} tool calls per turn")
                 else:
                     error = self.registry.validate(call)
-                if error is None:
+                if error is None and call.name is not None:  # a valid call has a name
                     try:
                         pending.append((index, call.name,
                                         json.dumps([call.name, call.arguments]).encode()))
@@ -794,7 +802,7 @@ class ToolExecutor:
                 raise
         rows, start = [], 0
         for row in calls_per_row:
-            rows.append(results[start:start + len(row)])
+            rows.append(_answered(results[start:start + len(row)]))
             start += len(row)
         return rows
 

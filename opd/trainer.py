@@ -292,7 +292,7 @@ def evaluate_student(run: Run) -> dict:
     with run.student.generation_context(True) as model:
         if run.world.is_main:
             metrics = evaluate(model, run.inputs.chat, run.executor, run.inputs.eval_records,
-                               run.plugins.checker, greedy(config.rollout), seed=config.seed,
+                               run.plugins.eval_checker, greedy(config.rollout), seed=config.seed,
                                parser=run.plugins.parser)
         barrier()
     return {f"eval_{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
