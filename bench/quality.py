@@ -330,9 +330,42 @@ def report(out: Path) -> None:
         lines.append(f"| {method} | " + " | ".join(
             f"{statistics.mean(r['heldout_per_group'].get(g, 0.0) for r in runs):.3f}"
             for g in groups) + " |")
+    lines += ["", "The student's own rollouts during on-policy steps (from each run's metrics.jsonl, "
+              "mean over seeds): tool calls that were invalid or failed per conversation, and "
+              "the truncation rate, over the first and the last 50 steps:", "",
+              "| method | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
+              "last 50 |", "|---|---|---|---|---|"]
+    for method, runs in by_method.items():
+        phases = [on_policy_errors(out / "runs" / f"{method}-seed{r['seed']}" / "metrics.jsonl")
+                  for r in runs]
+        phases = [phase for phase in phases if phase]
+        if phases:
+            lines.append(f"| {method} | " + " | ".join(
+                f"{statistics.mean(phase[i] for phase in phases):.3f}" for i in range(4)) + " |")
     (out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by_method, references, out / "quality.png")
+
+
+def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | None:
+    """(bad calls per conversation, truncation rate) of the on-policy steps among the first and
+    the last `window` steps: (bad first, bad last, truncated first, truncated last)."""
+    if not metrics.is_file():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    first = [r for r in records[:window] if not r["off_policy"]]
+    last = [r for r in records[-window:] if not r["off_policy"]]
+    if not first or not last:
+        return None
+
+    def bad(steps: list[dict]) -> float:
+        return sum(r["invalid_tool_calls"] + r["failed_tool_calls"] for r in steps) \
+            / sum(r["conversations"] for r in steps)
+
+    def truncated(steps: list[dict]) -> float:
+        return statistics.mean(r["truncation_rate"] for r in steps)
+
+    return bad(first), bad(last), truncated(first), truncated(last)
 
 
 def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None:
