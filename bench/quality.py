@@ -383,7 +383,7 @@ def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None
             continue
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         means = [statistics.mean(c[s] for c in curves) for s in steps]
-        axes.plot([0, *steps], [start, *means], marker="o", label=f"{method} ({len(curves)})")
+        axes.plot([0, *steps], [start, *means], marker="o", label=f"{method} (n={len(curves)})")
     axes.axhline(references["teacher"]["validation"]["success_rate"], color="k", linestyle="--",
                  label="teacher")
     axes.set_xlabel("optimizer step")
