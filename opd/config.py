@@ -113,7 +113,8 @@ class ToolsConfig:
 
 @dataclass
 class LossConfig:
-    direction: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    # sft: cross-entropy on the tokens of data.completions (no teacher), a baseline to OPD
+    direction: Literal["forward_kl", "reverse_kl", "jsd", "sft"] = "forward_kl"
     beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
     temperature: float = positive(1.0)
     chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
@@ -504,6 +505,9 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
                    f"train.micro_batch_tokens={config.train.micro_batch_tokens} must be at least "
                    f"rollout.max_total_len={config.rollout.max_total_len}, so the longest "
                    "conversation fits one micro-batch.")
+    if config.loss.direction == "sft" and config.loss.off_policy_fraction != 1:
+        raise fail("loss.off_policy_fraction", "loss.direction=sft trains on data.completions "
+                   "only, so loss.off_policy_fraction must be 1.")
     if config.loss.off_policy_fraction > 0 and not config.data.completions:
         raise fail("data.completions", "data.completions must name a dataset of whole "
                    "conversations when loss.off_policy_fraction > 0.")

@@ -9,7 +9,8 @@ the logits come from hidden states. Backward is then only a scale. Peak extra me
 (jsd: four) [chunk, vocab] fp32 buffers, reused by every chunk, plus gradients the size of the
 inputs: [N, H] and [V, H] (fp32) when fused, the logits' own size when starting from logits.
 On CPU, fused: 0.07x the seed's peak extra memory and about half its time (bench/kl.py).
-`distillation_loss` is the seed's function; `fused_distillation_loss` starts from hidden states.
+`distillation_loss` is the seed's function; `fused_distillation_loss` starts from hidden states;
+`fused_cross_entropy_loss` is SFT's cross-entropy through the same path (a one-hot teacher).
 
 Directions (TRL / Liger GKD conventions, p = student, q = teacher, both at `temperature`):
 forward_kl = KL(q || p); reverse_kl = KL(p || q); jsd = beta * KL(q || m) + (1 - beta) *
@@ -317,6 +318,37 @@ def fused_distillation_loss(
     return _run(student_hidden, student_lm_head_weight, student_bias, _bool_mask(target_mask),
                 teacher, width, offset, float(temperature), direction, beta, reduction,
                 chunk_size, vocab_parallel_group)
+
+
+def fused_cross_entropy_loss(
+        student_hidden: torch.Tensor, student_lm_head_weight: torch.Tensor,
+        labels: torch.Tensor, target_mask: torch.Tensor | None = None, *,
+        student_bias: torch.Tensor | None = None, vocab_size: int | None = None,
+        chunk_size: int | None = None, temperature: float = 1.0,
+        reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `labels` [...] (SFT), formed chunk by chunk from hidden states.
+
+    The same computation as `fused_distillation_loss`: forward KL to a teacher sure of each
+    label is exactly the label's negative log-likelihood (the teacher's entropy is zero), so
+    SFT shares the chunked implementation, its memory bound and its vocabulary handling.
+    """
+    if labels.is_floating_point() or tuple(labels.shape) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(f"Labels {tuple(labels.shape)} must be integer token ids, one per "
+                         f"hidden state {tuple(student_hidden.shape[:-1])}")
+    return fused_distillation_loss(
+        student_hidden, student_lm_head_weight, target_mask=target_mask,
+        student_bias=student_bias, teacher_topk=one_hot_teacher(labels), vocab_size=vocab_size,
+        chunk_size=chunk_size, temperature=temperature, direction="forward_kl",
+        reduction=reduction)
+
+
+def one_hot_teacher(labels: torch.Tensor) -> TopKTeacher:
+    """A TopKTeacher with all its mass on `labels`."""
+    # The lowest finite log-prob rather than -inf for the empty rest: 0 * -inf would make every
+    # chunk take the loss's NaN-guarded second pass, for the same value.
+    rest = torch.full(labels.shape, torch.finfo(torch.float32).min, device=labels.device)
+    return TopKTeacher(labels[..., None], torch.zeros(*labels.shape, 1, device=labels.device),
+                       rest)
 
 
 def _run(student, weight, bias, mask, teacher, width, offset, temperature, direction, beta,

@@ -5,7 +5,8 @@
              step, the same share of dataset completions (loss.off_policy_fraction);
 2. pack      varlen micro-batches; ranks agree on the micro-batch count (short ranks add empty
              ones) and on the step's global number of target tokens;
-3. teacher   per micro-batch, the teacher's final hidden states (no grad);
+3. teacher   per micro-batch, the teacher's final hidden states (no grad; none for
+             loss.direction=sft, whose loss is the cross-entropy of the completion's tokens);
 4. loss      the student's fused distillation loss, summed over target tokens and scaled by
              world_size / global_targets: after data-parallel gradient averaging the gradient is
              that of the mean over every target token of the step, however they are split;
@@ -34,7 +35,7 @@ from opd.dist import World, all_reduce, barrier, lockstep, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
 from opd.eval import evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
-from opd.loss import fused_distillation_loss
+from opd.loss import fused_cross_entropy_loss, fused_distillation_loss
 from opd.metrics import MetricsLog
 from opd.packing import PackedBatch, pack_varlen
 from opd.plugins import Plugins
@@ -195,6 +196,25 @@ class DistillationHead:
         return loss_sum, self.target_mask_N.sum()
 
 
+@dataclass
+class CrossEntropyHead:
+    """The student's SFT loss on one micro-batch (loss.direction=sft): no teacher."""
+
+    labels_N: torch.Tensor  # the token each position predicts: input_ids shifted left by one
+    target_mask_N: torch.Tensor
+    config: Config
+    vocab_size: int
+
+    def __call__(self, hidden_NH, weight_VH, bias_V) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of the per-token cross-entropy over targets, and the target count."""
+        loss = self.config.loss
+        loss_sum = fused_cross_entropy_loss(
+            hidden_NH, weight_VH, self.labels_N, self.target_mask_N, student_bias=bias_V,
+            vocab_size=self.vocab_size, chunk_size=loss.chunk_size or None,
+            temperature=loss.temperature, reduction="sum")
+        return loss_sum, self.target_mask_N.sum()
+
+
 def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     """Stages 2-5 on this rank's trajectories: one optimizer step (collective)."""
     config, world = run.config, run.world
@@ -203,20 +223,29 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
 
     run.student.train_mode()
     teacher_s = train_s = loss_sum = 0.0
+    teacher_tokens = 0
     for batch in batches:
         batch = batch.to(world.device)
         tick = time.perf_counter()
-        teacher_hidden = run.teacher.hidden_states(batch.input_ids, batch.position_ids)
-        teacher_s += time.perf_counter() - tick
-        tick = time.perf_counter()
-        with run.teacher.lm_head() as (teacher_weight, teacher_bias):
-            head = DistillationHead(teacher_hidden, teacher_weight, teacher_bias,
-                                    batch.target_mask[0], config, run.inputs.vocab_size)
-            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
+        if config.loss.direction == "sft":
+            # Position i predicts token i + 1; the last label is never a target.
+            sft_head = CrossEntropyHead(batch.input_ids[0].roll(-1), batch.target_mask[0],
+                                        config, run.inputs.vocab_size)
+            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, sft_head)
             run.student.backward(batch_sum * scale)
+        else:
+            teacher_hidden = run.teacher.hidden_states(batch.input_ids, batch.position_ids)
+            teacher_s += time.perf_counter() - tick
+            teacher_tokens += batch.num_tokens
+            tick = time.perf_counter()
+            with run.teacher.lm_head() as (teacher_weight, teacher_bias):
+                head = DistillationHead(teacher_hidden, teacher_weight, teacher_bias,
+                                        batch.target_mask[0], config, run.inputs.vocab_size)
+                batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
+                run.student.backward(batch_sum * scale)
         loss_sum += float(batch_sum.detach())
         train_s += time.perf_counter() - tick
-    total_loss, = all_reduce([loss_sum])
+    total_loss, global_teacher_tokens = all_reduce([loss_sum, teacher_tokens])
     loss = total_loss / max(global_targets, 1.0)
 
     tick = time.perf_counter()
@@ -225,9 +254,11 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     train_s += time.perf_counter() - tick
     guard_nonfinite(run, step, loss, grad_norm, applied)
     # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
-    # KL per target token between the temperature-scaled distributions (none for jsd).
-    kl = loss / config.loss.temperature ** 2 if config.loss.direction != "jsd" else None
+    # KL per target token between the temperature-scaled distributions (none for jsd and sft).
+    kl = loss / config.loss.temperature ** 2 \
+        if config.loss.direction in ("forward_kl", "reverse_kl") else None
     return {"loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
+            "teacher_tokens": int(global_teacher_tokens),
             "micro_batches": len(batches), "lr": lr, "grad_norm": grad_norm,
             "skipped": not applied, "nonfinite_steps": run.nonfinite_steps,
             "teacher_s": round(teacher_s, 4), "train_s": round(train_s, 4)}

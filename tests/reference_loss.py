@@ -71,3 +71,9 @@ def coarse_topk_divergence(student_logits, teacher_logits, target_mask, k, tempe
     else:
         rows = _kl_rows(coarse_p, coarse_q)
     return rows.mean() * temperature ** 2
+
+
+def cross_entropy(student_logits, labels, target_mask, temperature=1.0):
+    """SFT: mean negative log-likelihood of the labels at target positions, times T ** 2."""
+    logp = F.log_softmax(student_logits[target_mask].double() / temperature, dim=-1)
+    return F.nll_loss(logp, labels[target_mask]) * temperature ** 2

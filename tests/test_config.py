@@ -101,6 +101,9 @@ def test_cross_field_rules(recipe):
         load_config(recipe, None, ["train.micro_batch_tokens=100"])
     with pytest.raises(ConfigError, match="data.completions"):
         load_config(recipe, None, ["loss.off_policy_fraction=0.5"])
+    with pytest.raises(ConfigError, match="loss.direction=sft trains on data.completions only, "
+                                          "so loss.off_policy_fraction must be 1"):
+        load_config(recipe, None, ["loss.direction=sft"])
     with pytest.raises(ConfigError, match="teacher.offload_param only applies"):
         load_config(recipe, None, ["teacher.engine=replicated", "teacher.offload_param=cpu"])
     with pytest.raises(ConfigError, match="eval.every needs student.generation_gather=once"):

@@ -6,7 +6,12 @@ import pytest
 import reference_loss
 import torch
 
-from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
+from opd.loss import (
+    TopKTeacher,
+    distillation_loss,
+    fused_cross_entropy_loss,
+    fused_distillation_loss,
+)
 
 DIRECTIONS = ["forward_kl", "reverse_kl"]
 
@@ -364,3 +369,34 @@ def test_topk_teacher_shape_error():
     with pytest.raises(ValueError, match="TopKTeacher token_ids \\(2, 5, 4\\), logprobs "
                                          "\\(2, 5, 3\\) and rest_logprob \\(2, 5\\) must be"):
         distillation_loss(student, bad, mask)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_fused_cross_entropy_matches_the_naive_reference(temperature):
+    """SFT's loss: the labels' negative log-likelihood, gradients to hidden, lm_head and bias;
+    vocabulary columns past vocab_size are ignored."""
+    hidden, weight, bias, _, _, mask = _fused_case(18, torch.float64)
+    labels = torch.randint(0, 50, mask.shape, generator=torch.Generator().manual_seed(18))
+
+    def naive(hidden, weight, bias):
+        logits = hidden @ weight[:50].t() + bias[:50]
+        return reference_loss.cross_entropy(logits, labels, mask, temperature)
+
+    def fused(hidden, weight, bias):
+        return fused_cross_entropy_loss(hidden, weight, labels, mask, student_bias=bias,
+                                        vocab_size=50, chunk_size=4, temperature=temperature)
+
+    expected = naive(hidden, weight, bias)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight, bias))
+    loss = fused(hidden, weight, bias)
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_cross_entropy_rejects_labels_of_another_shape():
+    hidden, weight, _, _, _, mask = _fused_case(19)
+    with pytest.raises(ValueError, match="Labels \\(22,\\) must be integer token ids, one per "
+                                         "hidden state \\(23,\\)"):
+        fused_cross_entropy_loss(hidden, weight, torch.zeros(22, dtype=torch.long), mask)

@@ -227,6 +227,36 @@ def test_plain_python_is_a_world_of_one(world_dir, tmp_path):
     assert len(records) == 1 and records[0]["conversations"] == 4
 
 
+def test_sft_trains_on_the_completions_cross_entropy_without_the_teacher(world_dir, tmp_path):
+    """loss.direction=sft: step 1's loss is the warm student's mean negative log-likelihood of
+    the step's completion tokens (plain transformers), and the teacher scores nothing."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.data import completion_trajectory, load_jsonl
+
+    launch("python", "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+           "train.steps=1", "loss.direction=sft", "loss.off_policy_fraction=1",
+           "eval.every=0", f"logging.run_dir={tmp_path / 'run'}")
+    record, = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["teacher_tokens"] == 0 and record["kl_per_token"] is None
+    config = config_with(world_dir)
+    tokenizer = AutoTokenizer.from_pretrained(world_dir / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(world_dir / "student", dtype=torch.float32)
+    nll, targets = 0.0, 0
+    for line in step_records(load_jsonl(world_dir / "completions.jsonl"), 1, config, 0, 1, {}):
+        trajectory = completion_trajectory(tokenizer, line["messages"], line.get("tools"))
+        ids = torch.tensor([trajectory.input_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        mask = torch.tensor(trajectory.assistant_mask[1:])
+        nll += F.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum").item()
+        targets += int(mask.sum())
+    assert record["target_tokens"] == targets
+    assert record["loss"] == pytest.approx(nll / targets, rel=1e-4)
+
+
 def test_recipe_pipeline_prepares_evaluates_trains_and_prints_the_table(tmp_path):
     """The default recipe's stages on 2 ranks, with toolcalc's test-sized prepare step."""
     result = launch("torchrun", "launch/train.py", "prepare=tests.dist_scripts.world:prepare_tiny",

@@ -1,0 +1,398 @@
+"""Quality study on toolcalc: does on-policy distillation beat the cheaper things a user tries?
+
+    python bench/quality.py [--methods all] [--seeds 0,1,2] [--steps 300] [--eval-every 50]
+                            [--out runs/quality] [section.key=value ...]
+    python bench/quality.py --report-only [--out runs/quality]
+
+Every method starts from the recipe's warm student and runs the recipe's trainer
+(`launch/train.py`, one process) for the same number of optimizer steps with the same prompts
+(or conversations) per step; only the loss and where a step's conversations come from differ:
+
+    opd_forward_kl  on-policy, forward KL (the default recipe)
+    opd_reverse_kl  on-policy, reverse KL
+    opd_jsd         on-policy, generalised JSD, beta 0.5
+    kd_teacher      off-policy, forward KL on conversations the teacher wrote
+    kd_oracle       off-policy, forward KL on the dataset's oracle conversations
+    sft_teacher     cross-entropy (loss.direction=sft) on the teacher-written conversations
+    gkd_mix         half of the steps on-policy, half on the teacher-written conversations
+
+Teacher-written conversations are sampled once per sampling seed from the teacher on the
+recipe's training prompts at the recipe's rollout temperature, tools executed in the sandbox,
+and cached as a completions JSONL (`teacher_conversations_seed<S>.jsonl`): each trajectory's
+assistant turns become assistant messages (their text, tool calls included, as sampled) and its
+observations tool messages (Hermes `<tool_response>` blocks); a conversation is kept only if
+`opd.data.completion_trajectory` renders it back to exactly the sampled IDs, and truncated ones
+are dropped (counts in `teacher_conversations_seed<S>.json`).
+
+Hyperparameters are never chosen on the held-out tasks: the curve of success against steps is
+measured on a validation split of freshly generated toolcalc tasks (disjoint from held-out,
+training and prompt tasks), and held-out greedy success is measured once, on the final student.
+
+Writes under --out: `results.jsonl` (one line per method and seed; rerunning skips pairs already
+there), `quality.md` (the tables), `quality.png` (validation success against steps per method,
+mean over seeds) and each run's directory under `runs/`. Long (minutes per run): never part of
+the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Before torch loads OpenMP: threads that spin while waiting for work steal the cores of other
+# ranks and tool workers on a shared host (a CPU step measured 5x slower); sleeping costs little.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "toolcalc_tiny.yaml"
+TEACHER_CONVERSATIONS = "{teacher_conversations}"
+# method -> the config overrides that make it (on top of the recipe and the study's own)
+METHODS = {
+    "opd_forward_kl": ["loss.direction=forward_kl"],
+    "opd_reverse_kl": ["loss.direction=reverse_kl"],
+    "opd_jsd": ["loss.direction=jsd", "loss.beta=0.5"],
+    "kd_teacher": ["loss.off_policy_fraction=1.0", f"data.completions={TEACHER_CONVERSATIONS}"],
+    "kd_oracle": ["loss.off_policy_fraction=1.0"],
+    "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",
+                    f"data.completions={TEACHER_CONVERSATIONS}"],
+    "gkd_mix": ["loss.off_policy_fraction=0.5", f"data.completions={TEACHER_CONVERSATIONS}"],
+}
+# Seeds of generate_tasks that prepare does not use (it uses seed + 1..3 with seed 0).
+VALIDATION_SEED = 1000
+TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=str(RECIPE))
+    parser.add_argument("--methods", default="all",
+                        help=f"comma-separated, from {', '.join(METHODS)}; or all")
+    parser.add_argument("--seeds", default="0", help="comma-separated training seeds")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the recipe's)")
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="steps between validation evals (0: none)")
+    parser.add_argument("--val-tasks", type=int, default=100, help="validation split size")
+    parser.add_argument("--out", default=str(REPO / "runs" / "quality"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite quality.md and quality.png from results.jsonl")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="recipe overrides applied to every method")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        report(out)
+        return
+    methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        sys.exit(f"error: --methods: unknown method(s) {', '.join(unknown)}; "
+                 f"choose from {', '.join(METHODS)}.")
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+
+    import torch
+
+    from opd.config import load_config
+    from opd.errors import OPDError
+    from opd.plugins import prepared, resolve_plugins
+
+    try:
+        config = load_config(args.recipe, None, args.overrides)
+        plugins = resolve_plugins(config)
+        config = prepared(config, plugins)
+    except OPDError as error:
+        sys.exit(f"error: {error}")
+    torch.set_num_threads(1)  # one run at a time on a shared host; the runs get OMP 1 too
+    steps = args.steps or config.train.steps
+    validation = write_validation_split(config, out, args.val_tasks)
+    references = reference_rows(config, plugins, out, validation)
+    done = {(r["method"], r["seed"]) for r in read_results(out)}
+    for seed in seeds:
+        for method in methods:
+            if (method, seed) in done:
+                continue
+            teacher_data = teacher_conversations(config, plugins, out, seed) \
+                if any(TEACHER_CONVERSATIONS in o for o in METHODS[method]) else None
+            result = run_method(args, config, plugins, out, method, seed, steps, validation,
+                                teacher_data)
+            result["references"] = references
+            with (out / "results.jsonl").open("a") as results:
+                results.write(json.dumps(result) + "\n")
+            print(json.dumps({k: result[k] for k in ("method", "seed", "heldout_success",
+                                                      "wall_s")}), flush=True)
+    report(out)
+
+
+def write_validation_split(config, out: Path, count: int) -> Path:
+    """`count` new toolcalc tasks, none of them a held-out, training or prompt question."""
+    from opd.data import load_jsonl, write_jsonl
+    from worlds.toolcalc.tasks import generate_tasks, task_record
+
+    path = out / f"validation_{count}.jsonl"
+    if not path.is_file():
+        seen = frozenset(record["messages"][0]["content"]
+                         for data in (config.data.eval, config.data.prompts,
+                                      config.data.completions)
+                         for record in load_jsonl(data))
+        write_jsonl(path, [task_record(task)
+                           for task in generate_tasks(count, VALIDATION_SEED, exclude=seen)])
+    return path
+
+
+def evaluate_on(config, plugins, model_path: str | Path, data: str | Path) -> dict:
+    """Greedy metrics of a saved model on a dataset, as the recipe's eval measures them."""
+    from opd.eval import evaluate_model, spec_from_config
+    from opd.inputs import chat_format, load_prompts
+
+    chat = chat_format(config.tokenizer_path, config.model, str(model_path), "model.tokenizer")
+    records = load_prompts(str(data), chat, config.rollout.max_total_len, "data.eval")
+    metrics = evaluate_model(model_path, spec_from_config(config, plugins, records))
+    metrics.pop("samples", None)
+    return metrics
+
+
+def reference_rows(config, plugins, out: Path, validation: Path) -> dict:
+    """Teacher and warm student on held-out and validation tasks (cached)."""
+    path = out / "references.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    rows = {name: {"heldout": evaluate_on(config, plugins, model, config.data.eval),
+                   "validation": evaluate_on(config, plugins, model, validation)}
+            for name, model in (("teacher", config.model.teacher),
+                                ("student", config.model.student))}
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def teacher_conversations(config, plugins, out: Path, seed: int) -> Path:
+    """The teacher's sampled conversations on the training prompts, as a completions JSONL."""
+    from opd.data import completion_trajectory, load_jsonl, write_jsonl
+    from opd.eval import load_model, tool_executor
+    from opd.inputs import chat_format
+    from opd.rollout import rollout
+
+    path = out / f"teacher_conversations_seed{seed}.jsonl"
+    if path.is_file():
+        return path
+    started = time.perf_counter()
+    chat = chat_format(config.tokenizer_path, config.model, config.model.teacher,
+                       "model.teacher")
+    model = load_model(config.model.teacher, "cpu", "model.teacher")
+    prompts = load_jsonl(config.data.prompts)
+    with tool_executor(plugins.tool_registry, config.tools, plugins.environment) as executor:
+        trajectories = rollout(model, chat, executor, prompts, config.rollout, seed=seed,
+                               parser=plugins.parser)
+    kept, counts = [], {"prompts": len(prompts), "truncated": 0, "not_rendered_back": 0,
+                        "correct": 0, "failed_or_invalid_calls": 0}
+    for prompt, trajectory in zip(prompts, trajectories):
+        if trajectory.truncated:
+            counts["truncated"] += 1
+            continue
+        messages = conversation_messages(chat, prompt, trajectory)
+        rendered = completion_trajectory(chat, messages, prompt.get("tools"))
+        if rendered.input_ids != trajectory.input_ids:
+            counts["not_rendered_back"] += 1
+            continue
+        record = dict(prompt, messages=messages)
+        kept.append(record)
+        counts["correct"] += bool(plugins.eval_checker(messages[-1]["content"], prompt))
+        counts["failed_or_invalid_calls"] += trajectory.counts.failed + trajectory.counts.invalid \
+            > 0
+    write_jsonl(path, kept)
+    counts.update(kept=len(kept), temperature=config.rollout.temperature, seed=seed,
+                  seconds=round(time.perf_counter() - started, 1))
+    path.with_suffix(".json").write_text(json.dumps(counts, indent=2) + "\n")
+    print(json.dumps({"teacher_conversations": counts}), flush=True)
+    return path
+
+
+def conversation_messages(chat, prompt: dict, trajectory) -> list[dict]:
+    """A sampled trajectory as chat messages: each assistant turn's text as sampled (before its
+    stop token), each observation's `<tool_response>` contents as tool messages."""
+    from opd.data import prompt_record
+
+    tokenizer = chat.tokenizer
+    messages = list(prompt_record(prompt)["messages"])
+    for start, end, kind in trajectory.spans:
+        ids = trajectory.input_ids[start:end]
+        if kind == "assistant":
+            if ids and ids[-1] in chat.stop_token_ids:
+                ids = ids[:-1]
+            messages.append({"role": "assistant",
+                             "content": tokenizer.decode(ids, skip_special_tokens=False)})
+        elif kind == "observation":
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            messages += [{"role": "tool", "content": content}
+                         for content in TOOL_RESPONSE.findall(text)]
+    return messages
+
+
+def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: int,
+               validation: Path, teacher_data: Path | None) -> dict:
+    """One training run through launch/train.py, then the final student on held-out tasks."""
+    from opd.metrics import read_metrics
+
+    run_dir = out / "runs" / f"{method}-seed{seed}"
+    overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data)) for o in METHODS[method]]
+    overrides += [
+        f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
+        f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
+        "checkpoint.every=0", "checkpoint.resume=never", f"data.eval={validation}",
+        f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
+        "eval.teacher=false", *args.overrides]
+    command = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", args.recipe,
+               *overrides]
+    print(f"{method} seed {seed}: {' '.join(command[2:])}", flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall_s = time.perf_counter() - started
+    records = read_metrics(run_dir / "metrics.jsonl")
+    heldout = evaluate_on(config, plugins, run_dir / "final", config.data.eval)
+    curve = [(r["step"], r["eval_success_rate"]) for r in records if "eval_success_rate" in r]
+    return {
+        "method": method, "seed": seed, "steps": steps, "overrides": overrides,
+        "heldout_success": heldout["success_rate"],
+        "heldout_tool_call_validity": heldout["tool_call_validity"],
+        "heldout_truncation_rate": heldout["truncation_rate"],
+        "heldout_per_group": {group: rates["success_rate"]
+                              for group, rates in heldout.get("per_group", {}).items()},
+        "heldout": heldout, "validation_curve": curve,
+        "student_tokens_trained": sum(r["target_tokens"] for r in records),
+        "teacher_tokens_scored": sum(r["teacher_tokens"] for r in records),
+        "rollout_s": round(sum(r["rollout_s"] for r in records), 1),
+        "train_steps_s": round(sum(r["step_s"] for r in records), 1),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def read_results(out: Path) -> list[dict]:
+    path = out / "results.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def report(out: Path) -> None:
+    """quality.md and quality.png from results.jsonl."""
+    results = read_results(out)
+    if not results:
+        sys.exit(f"error: {out / 'results.jsonl'} holds no results yet.")
+    by_method: dict[str, list[dict]] = {}
+    for result in results:
+        by_method.setdefault(result["method"], []).append(result)
+    references = results[-1]["references"]
+    groups = sorted(references["teacher"]["heldout"]["per_group"])
+    lines = [
+        f"Held-out greedy success on {references['teacher']['heldout']['num_tasks']} toolcalc "
+        f"tasks after {results[0]['steps']} optimizer steps (mean ± std over seeds).",
+        "",
+        "| method | seeds | held-out success | tool-call validity | truncation | "
+        "student tokens trained | teacher tokens scored | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("teacher", "student"):
+        held = references[name]["heldout"]
+        label = "teacher" if name == "teacher" else "warm student (start)"
+        lines.append(f"| {label} | | {held['success_rate']:.3f} | "
+                     f"{held['tool_call_validity']:.3f} | {held['truncation_rate']:.3f} | | | |")
+    for method, runs in by_method.items():
+        lines.append(
+            f"| {method} | {len(runs)} | {mean_std([r['heldout_success'] for r in runs])} | "
+            f"{mean_std([r['heldout_tool_call_validity'] for r in runs])} | "
+            f"{mean_std([r['heldout_truncation_rate'] for r in runs])} | "
+            f"{statistics.mean(r['student_tokens_trained'] for r in runs):,.0f} | "
+            f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
+            f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
+    lines += ["", "Held-out success per task group (mean over seeds):", "",
+              "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    for name in ("teacher", "student"):
+        per_group = references[name]["heldout"]["per_group"]
+        lines.append(f"| {name} | " + " | ".join(f"{per_group[g]['success_rate']:.3f}"
+                                                  for g in groups) + " |")
+    for method, runs in by_method.items():
+        lines.append(f"| {method} | " + " | ".join(
+            f"{statistics.mean(r['heldout_per_group'].get(g, 0.0) for r in runs):.3f}"
+            for g in groups) + " |")
+    lines += ["", "The student's own rollouts during on-policy steps (from each run's metrics.jsonl, "
+              "mean over seeds): tool calls that were invalid or failed per conversation, and "
+              "the truncation rate, over the first and the last 50 steps:", "",
+              "| method | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
+              "last 50 |", "|---|---|---|---|---|"]
+    for method, runs in by_method.items():
+        phases = [on_policy_errors(out / "runs" / f"{method}-seed{r['seed']}" / "metrics.jsonl")
+                  for r in runs]
+        measured = [phase for phase in phases if phase is not None]
+        if measured:
+            lines.append(f"| {method} | " + " | ".join(
+                f"{statistics.mean(phase[i] for phase in measured):.3f}" for i in range(4)) + " |")
+    (out / "quality.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(by_method, references, out / "quality.png")
+
+
+def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | None:
+    """(bad calls per conversation, truncation rate) of the on-policy steps among the first and
+    the last `window` steps: (bad first, bad last, truncated first, truncated last)."""
+    if not metrics.is_file():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    first = [r for r in records[:window] if not r["off_policy"]]
+    last = [r for r in records[-window:] if not r["off_policy"]]
+    if not first or not last:
+        return None
+
+    def bad(steps: list[dict]) -> float:
+        return sum(r["invalid_tool_calls"] + r["failed_tool_calls"] for r in steps) \
+            / sum(r["conversations"] for r in steps)
+
+    def truncated(steps: list[dict]) -> float:
+        return statistics.mean(r["truncation_rate"] for r in steps)
+
+    return bad(first), bad(last), truncated(first), truncated(last)
+
+
+def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None:
+    """Validation success against steps, mean over seeds, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    start = references["student"]["validation"]["success_rate"]
+    for method, runs in by_method.items():
+        curves = [dict(r["validation_curve"]) for r in runs if r["validation_curve"]]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        means = [statistics.mean(c[s] for c in curves) for s in steps]
+        axes.plot([0, *steps], [start, *means], marker="o", label=f"{method} (n={len(curves)})")
+    axes.axhline(references["teacher"]["validation"]["success_rate"], color="k", linestyle="--",
+                 label="teacher")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("validation greedy success")
+    axes.set_title("toolcalc: success against steps (mean over seeds)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
