@@ -24,6 +24,8 @@ from torch import nn
 from opd.errors import MissingFileError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from opd.config import OptimConfig, StudentConfig
     from opd.dist import World
 
@@ -35,7 +37,7 @@ HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
 class DistillModule(nn.Module):
     """Root module of a student: `forward` computes a loss from hidden states, or generates."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: PreTrainedModel):
         super().__init__()
         self.model = model
 
@@ -77,7 +79,7 @@ class GenerationModel:
 class StudentEngine(ABC):
     """A sharded student: loss forward, backward, optimizer step, generation, checkpoints."""
 
-    hf_model: nn.Module  # the unwrapped Hugging Face model (config, generation_config)
+    hf_model: PreTrainedModel  # the unwrapped Hugging Face model (config, generation_config)
 
     @abstractmethod
     def loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -115,7 +117,7 @@ class StudentEngine(ABC):
 
 
 def load_student_model(model_path: str, student: StudentConfig,
-                       world: World) -> tuple[nn.Module, Precision]:
+                       world: World) -> tuple[PreTrainedModel, Precision]:
     """The student in fp32 (the engines keep fp32 masters and cast to the compute dtype)."""
     precision = resolve_precision(student.precision, student.attn_implementation, world.device)
     model = load_causal_lm(model_path, torch.float32, precision.attn_implementation,
@@ -130,7 +132,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def save_hf(model: nn.Module, root_state: dict, directory: Path, dtype: torch.dtype) -> None:
+def save_hf(model: PreTrainedModel, root_state: dict, directory: Path, dtype: torch.dtype) -> None:
     """`save_pretrained` from a consolidated state dict of the `DistillModule` root, in the
     training precision `dtype`: the consolidated state (FSDP's fp32 master) and the live model
     (loaded in fp32) would otherwise make a bf16 student twice its size on disk."""
@@ -161,7 +163,8 @@ def resolve_precision(precision: str, attn_implementation: str, device: torch.de
     return Precision(dtype, attn_implementation)
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, key: str) -> nn.Module:
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str,
+                   key: str) -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory (never the hub)."""
     from transformers import AutoModelForCausalLM
 
@@ -180,7 +183,7 @@ def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def decoder_layers(model: nn.Module) -> Iterator[nn.Module]:
+def decoder_layers(model: PreTrainedModel) -> Iterator[nn.Module]:
     """The repeated transformer blocks (the unit of sharding and of the largest gather)."""
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)

@@ -21,6 +21,7 @@ import copy
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +108,8 @@ class DeepSpeedStudent(StudentEngine):
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         root = DistillModule(self.hf_model)
         groups = adamw_param_groups(root, optim.weight_decay)
-        optim_kwargs = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
+        optim_kwargs: dict[str, Any] = dict(lr=optim.lr, betas=(optim.betas[0], optim.betas[1]),
+                                            eps=optim.eps)
         if student.offload_optimizer == "cpu" and world.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **optim_kwargs)

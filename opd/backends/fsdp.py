@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +30,9 @@ from opd.backends import (
 from opd.config import OptimConfig, StudentConfig
 from opd.dist import World
 from opd.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class FSDPStudent(StudentEngine):
@@ -49,17 +53,17 @@ class FSDPStudent(StudentEngine):
         # On a CPU-only host everything already lives in host memory.
         offload = "cpu" in (student.offload_optimizer, student.offload_param) \
             and world.device.type == "cuda"
-        shard_kwargs = dict(
+        shard_kwargs: dict[str, Any] = dict(
             mesh=mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-        self.layers = list(decoder_layers(self.hf_model))
-        for layer in self.layers:
-            fully_shard(layer, **shard_kwargs)
-        self.root = fully_shard(DistillModule(self.hf_model), **shard_kwargs)
+        self.layers = [fully_shard(layer, **shard_kwargs)
+                       for layer in decoder_layers(self.hf_model)]
+        self.root = DistillModule(self.hf_model)
+        fully_shard(self.root, **shard_kwargs)  # in place: the root keeps its own type
         self.optimizer = torch.optim.AdamW(
             adamw_param_groups(self.root, optim.weight_decay), lr=optim.lr,
-            betas=tuple(optim.betas), eps=optim.eps, foreach=False)
+            betas=(optim.betas[0], optim.betas[1]), eps=optim.eps, foreach=False)
         self.grad_clip = optim.grad_clip
         # FSDP elects its root at the first forward: run one through the real root now, so a
         # rollout that calls the layers directly cannot elect a layer.
@@ -77,8 +81,8 @@ class FSDPStudent(StudentEngine):
     def step(self, lr: float, skip: bool = False) -> tuple[float, bool]:
         set_lr(self.optimizer, lr)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.root.parameters(), max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total = torch.nn.utils.clip_grad_norm_(self.root.parameters(), max_norm)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
         applied = not skip and math.isfinite(norm)
         if applied:
             self.optimizer.step()
@@ -90,7 +94,7 @@ class FSDPStudent(StudentEngine):
         if not gather:
             yield GenerationModel(self.root, self.hf_model)
             return
-        modules = [*self.layers, self.root]
+        modules = [*self.layers, cast("FSDPModule", self.root)]  # fully_shard re-classed it
         for module in modules:
             module.unshard()
         for layer in self.layers:
