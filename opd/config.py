@@ -84,6 +84,11 @@ class RolloutConfig:
     top_p: float = within(0, 1, 1.0, open_low=True)
     top_k: int = at_least(0, 0)
     batch_size: int = at_least(1, 32)  # conversations sampled together on one rank
+    # hf: our batched decode loop (the reference); vllm: a colocated vLLM engine per rank
+    # (opd.vllm_engine; the vllm extra, requirements-vllm-*.txt).
+    engine: Literal["hf", "vllm"] = "hf"
+    # vLLM's share of the accelerator's memory for weights and KV cache (GPU only).
+    gpu_memory_utilization: float = within(0, 1, 0.3, open_low=True)
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first `rollout.*` key out of bounds."""

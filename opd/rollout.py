@@ -36,7 +36,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,10 @@ from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns
 from opd.tools import Episode, ToolCallCounts, parse_hermes_tool_calls
+from opd.vllm_engine import TurnRequest, request_seed
+
+if TYPE_CHECKING:
+    from opd.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -99,6 +103,12 @@ class _Row:
     turn_start: int = 0
     budget: int = 0
     done: bool = False  # finished or truncated: no more turns
+
+    @property
+    def live_episode(self) -> Episode:
+        """The episode of a row that samples turns (opened before its first one)."""
+        assert self.episode is not None, "a row samples only once its episode is open"
+        return self.episode
 
 
 class _Sampler:
@@ -217,10 +227,13 @@ class _BatchRollout:
     """Rollout state of one batch of conversations; `step` runs exactly one forward call."""
 
     def __init__(self, model, chat: ChatFormat, executor, parser, cfg: RolloutConfig,
-                 rows: list[_Row], sampler: _Sampler, device: torch.device):
+                 rows: list[_Row], sampler: _Sampler, device: torch.device,
+                 engine: VLLMEngine | None = None, seed: int = 0):
         self.model, self.chat, self.executor, self.parser = model, chat, executor, parser
-        self.cache_name = cache_argument_name(getattr(model, "module", model))
         self.cfg, self.rows, self.sampler, self.device = cfg, rows, sampler, device
+        self.engine, self.seed = engine, seed
+        if engine is None:
+            self.cache_name = cache_argument_name(getattr(model, "module", model))
         self.phase: _Phase | None = None
 
     @property
@@ -255,25 +268,46 @@ class _BatchRollout:
                 self.executor.close_episode(row.episode)
 
     def step(self) -> None:
+        """HF engine: one forward call (prefill or one decode step) of the current phase. vLLM
+        engine: a whole assistant turn of every talking row, in one generate call."""
+        if self.engine is not None:
+            self._generate_turns(self.engine)
+            return
         if self.phase is None:
-            self.phase = self._start_phase()
-        logits_BV = self.phase.forward(self.model, self.cache_name)
+            self.phase = _Phase(self._start_turn(), self.chat.pad_token_id, self.device)
+        phase = self.phase
+        logits_BV = phase.forward(self.model, self.cache_name)
         tokens_B, logprobs_B = self.sampler(logits_BV)
-        self._record(tokens_B.tolist(), logprobs_B.tolist())
-        if self.phase.active:
-            self.phase.advance(tokens_B)
+        self._record(phase, tokens_B.tolist(), logprobs_B.tolist())
+        if phase.active:
+            phase.advance(tokens_B)
         else:
-            self._end_phase()
+            self.phase = None
+            self._end_phase(phase.rows)
 
-    def _start_phase(self) -> _Phase:
+    def _start_turn(self) -> list[_Row]:
         talking = [row for row in self.rows if not row.done]
         for row in talking:
             row.turn_start = len(row.trajectory.input_ids)
             row.budget = min(self.cfg.max_new_tokens, self.cfg.max_total_len - row.turn_start)
-        return _Phase(talking, self.chat.pad_token_id, self.device)
+        return talking
 
-    def _record(self, tokens: list[int], logprobs: list[float]) -> None:
-        phase = self.phase
+    def _generate_turns(self, engine: VLLMEngine) -> None:
+        rows = self._start_turn()
+        requests = [TurnRequest(list(row.trajectory.input_ids), row.budget,
+                                request_seed(self.seed, row.prompt_index, row.trajectory.turns))
+                    for row in rows]
+        turns = engine.generate_turns(requests, stop_token_ids=self.chat.stop_token_ids,
+                                      temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                      top_k=self.cfg.top_k, vocab_size=self.sampler.vocab_size)
+        for row, (tokens, logprobs) in zip(rows, turns):
+            trajectory = row.trajectory
+            trajectory.input_ids.extend(tokens)
+            trajectory.assistant_mask.extend([True] * len(tokens))
+            trajectory.logprobs.extend(logprobs)
+        self._end_phase(rows)
+
+    def _record(self, phase: _Phase, tokens: list[int], logprobs: list[float]) -> None:
         for b, row in enumerate(phase.rows):
             if not phase.generating[b]:
                 continue
@@ -285,14 +319,12 @@ class _BatchRollout:
             if tokens[b] in self.chat.stop_token_ids or written >= row.budget:
                 phase.generating[b] = False
 
-    def _end_phase(self) -> None:
+    def _end_phase(self, rows: list[_Row]) -> None:
         waiting: list[tuple[_Row, list]] = []
-        rows = self.phase.rows
         for row in rows:
             calls = self._end_turn(row)
             if calls is not None:
                 waiting.append((row, calls))
-        self.phase = None
         if waiting:
             self._append_observations(waiting)
         for row in rows:
@@ -324,7 +356,7 @@ class _BatchRollout:
             row.done = True
             return None
         if trajectory.turns == self.cfg.max_turns:
-            _count_unexecuted(trajectory.counts, calls, self.executor, row.episode)
+            _count_unexecuted(trajectory.counts, calls, self.executor, row.live_episode)
             _truncate(row, "max_turns")
             return None
         if not calls:
@@ -333,19 +365,20 @@ class _BatchRollout:
         return calls
 
     def _append_observations(self, waiting: list[tuple[_Row, list]]) -> None:
-        results = self.executor.run_episode_calls({row.episode: calls for row, calls in waiting})
+        results = self.executor.run_episode_calls(
+            {row.live_episode: calls for row, calls in waiting})
         for row, calls in waiting:
-            trajectory = row.trajectory
-            trajectory.counts.add(results[row.episode])
+            trajectory, episode = row.trajectory, row.live_episode
+            trajectory.counts.add(results[episode])
             trajectory.calls_by_turn[-1].append(
                 [{"name": call.name, "arguments": call.arguments}
-                 for call, result in zip(calls, results[row.episode]) if result.status == "ok"])
-            if row.episode.end_reason is not None:
-                trajectory.environment_error = row.episode.error
-                _truncate(row, row.episode.end_reason)
+                 for call, result in zip(calls, results[episode]) if result.status == "ok"])
+            if episode.end_reason is not None:
+                trajectory.environment_error = episode.error
+                _truncate(row, episode.end_reason)
                 continue
             observation = self.chat.observation_ids(
-                [result.content for result in results[row.episode]], row.tools,
+                [result.content for result in results[episode]], row.tools,
                 trajectory.input_ids[-1])
             self._append_context(row, observation, "observation")
 
@@ -380,24 +413,27 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 @torch.no_grad()
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
-            sync: Callable[[bool], bool] | None = None,
-            vocab_size: int | None = None) -> list[AgentTrajectory]:
+            sync: Callable[[bool], bool] | None = None, vocab_size: int | None = None,
+            engine: VLLMEngine | None = None) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
     further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
     Deterministic for a fixed seed, prompts and batch size. `sync(has_work) -> any_has_work`
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
     work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
+    With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: each rank
+    has its own engine, so no collective runs and `sync` is not needed.
     """
     cfg.validate()
     parser = parser or parse_hermes_tool_calls
-    module = getattr(model, "module", model)
-    device = next(module.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     sampler = _Sampler(cfg, generator, vocab_size)
     rows = [_new_row(chat, prompt, i, cfg) for i, prompt in enumerate(prompts)]
+    module = getattr(model, "module", model) if engine is None else torch.nn.Module()
+    device = next(module.parameters()).device if engine is None else torch.device("cpu")
     batches = [_BatchRollout(model, chat, executor, parser, cfg, rows[i:i + cfg.batch_size],
-                             sampler, device) for i in range(0, len(rows), cfg.batch_size)]
+                             sampler, device, engine, seed)
+               for i in range(0, len(rows), cfg.batch_size)]
     was_training = module.training
     module.eval()
     try:

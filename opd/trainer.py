@@ -43,6 +43,7 @@ from opd.rollout import AgentTrajectory, rollout
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
 from opd.teacher import Teacher, build_teacher
 from opd.tools import ToolExecutor
+from opd.vllm_engine import VLLMEngine, check_servable
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Run:
     executor: ToolExecutor
     log: MetricsLog
     start_step: int = 0
+    sampler: VLLMEngine | None = None  # rollout.engine=vllm
+    sampler_stale: bool = True  # the student stepped since its weights went to the sampler
     nonfinite_in_a_row: int = 0
     nonfinite_steps: int = 0
     # dataset name -> epoch -> shuffled record indices (a pure function of seed and epoch)
@@ -110,6 +113,8 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
     if world.is_main:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
+    if config.rollout.engine == "vllm":
+        check_servable(config.model.student, world.device.type)
     student = build_student(config.model.student, config.student, config.optim, world)
     teacher = build_teacher(config.model.teacher, config.teacher, world)
     executor = tool_executor(plugins.tool_registry, config.tools, plugins.environment)
@@ -119,8 +124,14 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
                      wandb_mode=config.logging.wandb_mode,
                      wandb_project=config.logging.wandb_project, run_name=config.name,
                      config=to_dict(config))
+    sampler = None
+    if config.rollout.engine == "vllm":
+        sampler = VLLMEngine(config.model.student, max_model_len=config.rollout.max_total_len,
+                             dtype=student.dtype, seed=config.seed + world.rank,
+                             gpu_memory_utilization=config.rollout.gpu_memory_utilization)
     return Run(config=config, plugins=plugins, inputs=inputs, world=world, student=student,
-               teacher=teacher, executor=executor, log=log, start_step=start_step)
+               teacher=teacher, executor=executor, log=log, start_step=start_step,
+               sampler=sampler)
 
 
 def resume_path(config: Config) -> Path | None:
@@ -136,7 +147,7 @@ def resume_path(config: Config) -> Path | None:
 
 def train_step(run: Run, step: int) -> dict:
     started = time.perf_counter()
-    trajectories, is_off_policy = collect(run, step)
+    trajectories, is_off_policy, sampler_metrics = collect(run, step)
     rollout_s = time.perf_counter() - started
     learned = optimize(run, trajectories, step)
     valid, invalid, failed, truncated, conversations, tokens = all_reduce(
@@ -150,26 +161,71 @@ def train_step(run: Run, step: int) -> dict:
         "invalid_tool_calls": int(invalid), "failed_tool_calls": int(failed),
         "truncation_rate": truncated / max(conversations, 1.0),
         "rollout_s": round(rollout_s, 4), "step_s": round(step_s, 4),
-        "tokens_per_s": learned["target_tokens"] / step_s,
+        "tokens_per_s": learned["target_tokens"] / step_s, **sampler_metrics,
     }
 
 
-def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool]:
-    """Stage 1: this rank's trajectories for `step`, and whether they are off-policy."""
+def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
+    """Stage 1: this rank's trajectories for `step`, whether they are off-policy, and the
+    vLLM sampler's metrics (weight sync seconds, log-prob gap) when it sampled them."""
     config, world = run.config, run.world
     if off_policy(config, step):
         return step_records(run.inputs.completions, step, config, world.rank, world.world_size,
-                            run.epoch_orders.setdefault("completions", {})), True
+                            run.epoch_orders.setdefault("completions", {})), True, {}
     prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
                            run.epoch_orders.setdefault("prompts", {}))
+    seed = rollout_seed(config, step, world.rank)
+    if run.sampler is not None:
+        sync_s = sync_sampler(run, run.sampler)
+        trajectories = rollout(None, run.inputs.chat, run.executor, prompts, config.rollout,
+                               seed=seed, parser=run.plugins.parser,
+                               vocab_size=run.inputs.vocab_size, engine=run.sampler)
+        return trajectories, False, {"sync_s": round(sync_s, 4),
+                                     **sampler_logprob_gap(run, trajectories)}
     gather = config.student.generation_gather == "once"
     sync = lockstep() if world.distributed and not gather else None
     with run.student.generation_context(gather) as model:
         trajectories = rollout(model, run.inputs.chat, run.executor, prompts, config.rollout,
-                               seed=rollout_seed(config, step, world.rank),
-                               parser=run.plugins.parser, sync=sync,
+                               seed=seed, parser=run.plugins.parser, sync=sync,
                                vocab_size=run.inputs.vocab_size)
-    return trajectories, False
+    return trajectories, False, {}
+
+
+def sync_sampler(run: Run, sampler: VLLMEngine) -> float:
+    """Stream the student's weights into vLLM if a step changed them; the seconds it took."""
+    if not run.sampler_stale:
+        return 0.0
+    started = time.perf_counter()
+    sampler.load_weights(run.student.full_parameters())
+    run.sampler_stale = False
+    return time.perf_counter() - started
+
+
+@torch.no_grad()
+def sampler_logprob_gap(run: Run, trajectories: list[AgentTrajectory]) -> dict:
+    """Mean and max |log-prob under vLLM - log-prob under the student's own forward| over the
+    sampled tokens of this rank: near zero when the weight sync is right (what TRL and verl
+    log). Costs one extra forward of the student per conversation, with the student gathered
+    as generation_gather=once does (ranks hold different numbers of conversations)."""
+    gaps = []
+    temperature = run.config.rollout.temperature
+    vocab = run.inputs.vocab_size
+    with run.student.generation_context(True) as model:
+        for trajectory in trajectories:
+            targets = [i for i, target in enumerate(trajectory.assistant_mask) if target]
+            if not targets:
+                continue
+            ids_1T = torch.tensor([trajectory.input_ids], device=run.world.device)
+            logits_TV = model(input_ids=ids_1T, use_cache=False).logits[0, :, :vocab]
+            logprobs_TV = torch.log_softmax(logits_TV.float() / temperature, dim=-1)
+            positions = torch.tensor(targets, device=ids_1T.device)
+            trained = logprobs_TV[positions - 1, ids_1T[0, positions]]
+            sampled = torch.tensor(trajectory.logprobs, device=trained.device)
+            gaps.append((trained - sampled).abs())
+    gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    total, count = all_reduce([float(gap.sum()), float(gap.numel())])
+    return {"sampler_logprob_gap_mean": total / max(count, 1.0),
+            "sampler_logprob_gap_max": all_reduce([float(gap.max())], op="max")[0]}
 
 
 @dataclass
@@ -252,6 +308,7 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     lr = learning_rate(step, config.optim, config.train.steps)
     grad_norm, applied = run.student.step(lr, skip=not math.isfinite(loss))
     train_s += time.perf_counter() - tick
+    run.sampler_stale = run.sampler_stale or applied
     guard_nonfinite(run, step, loss, grad_norm, applied)
     # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
     # KL per target token between the temperature-scaled distributions (none for jsd and sft).

@@ -148,11 +148,16 @@ def test_bad_limits_raise_like_the_seed(scripted, tools, executor):
 
 @pytest.fixture(scope="module")
 def tool_calling_model(compact_tokenizer, tmp_path_factory):
-    """A tiny real model, briefly trained to emit calculator calls, so rollouts use tools."""
+    return train_tool_caller(compact_tokenizer, tmp_path_factory.mktemp("caller"), hidden_size=48)
+
+
+def train_tool_caller(compact_tokenizer, directory, hidden_size: int):
+    """A tiny real model, briefly trained to emit calculator calls, so rollouts use tools;
+    saved (trained) to `directory`."""
     from conftest import build_tiny_model
 
     from opd.rollout import AgentTrajectory
-    model = build_tiny_model(compact_tokenizer, tmp_path_factory.mktemp("caller"), hidden_size=48)
+    model = build_tiny_model(compact_tokenizer, directory, hidden_size=hidden_size)
     chat = ChatFormat(compact_tokenizer, TEMPLATE_KWARGS)
     tools = toolcalc_registry().schemas
     stop = compact_tokenizer.eos_token_id
@@ -173,6 +178,7 @@ def tool_calling_model(compact_tokenizer, tmp_path_factory):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    model.save_pretrained(directory)
     return model.eval()
 
 

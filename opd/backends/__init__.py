@@ -80,6 +80,7 @@ class StudentEngine(ABC):
     """A sharded student: loss forward, backward, optimizer step, generation, checkpoints."""
 
     hf_model: PreTrainedModel  # the unwrapped Hugging Face model (config, generation_config)
+    dtype: torch.dtype  # the compute dtype, and that of the exported student
 
     @abstractmethod
     def loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -107,6 +108,12 @@ class StudentEngine(ABC):
     @abstractmethod
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote (same world size)."""
+
+    @abstractmethod
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the Hugging Face model, whole, by its Hugging Face name: gathered
+        a module (or a tensor) at a time, so a rank never holds the whole model at once. Every
+        rank must iterate to the end (the gathers are collectives)."""
 
     @abstractmethod
     def export_hf(self, directory: Path) -> None:

@@ -151,6 +151,18 @@ class DeepSpeedStudent(StudentEngine):
                 without_zero3_hooks(self.optimizer):
             yield self.hf_model
 
+    def full_parameters(self):
+        import deepspeed
+
+        for prefix, module in self.hf_model.named_modules():
+            named = list(module.named_parameters(recurse=False))
+            if not named:
+                continue
+            with deepspeed.zero.GatheredParameters([param for _, param in named]):
+                whole = [(f"{prefix}.{name}" if prefix else name, param.data.clone())
+                         for name, param in named]
+            yield from whole
+
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag="engine", save_latest=False)
 

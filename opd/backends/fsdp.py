@@ -107,6 +107,10 @@ class FSDPStudent(StudentEngine):
             for module in modules:
                 module.reshard()
 
+    def full_parameters(self):
+        for name, param in self.hf_model.named_parameters():
+            yield name, param.full_tensor() if hasattr(param, "full_tensor") else param.data
+
     def _state(self) -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
         return get_state_dict(self.root, self.optimizer)

@@ -17,13 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 STUDENT_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, intermediate_size=64)
+# vLLM's CPU attention needs a head size of at least 32 (opd.vllm_engine.CPU_HEAD_SIZES).
+VLLM_STUDENT_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=128)
 TEACHER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=128)
 ZERO3_UNPERSISTED = {"zero_optimization": {"stage3_param_persistence_threshold": 0,
                                            "stage3_prefetch_bucket_size": 0}}
 
 
-def build_world(root: Path, *, num_tasks: int = 16) -> Path:
+def build_world(root: Path, *, num_tasks: int = 16, student_shape: dict = STUDENT_SHAPE) -> Path:
     """Write the world under `root`; returns the recipe path."""
     import torch
 
@@ -36,7 +39,7 @@ def build_world(root: Path, *, num_tasks: int = 16) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     tokenizer.save_pretrained(root / "tokenizer")
-    for name, shape, seed in (("student", STUDENT_SHAPE, 0), ("teacher", TEACHER_SHAPE, 1)):
+    for name, shape, seed in (("student", student_shape, 0), ("teacher", TEACHER_SHAPE, 1)):
         save_model(build_model(ModelShape(**shape), tokenizer, seed=seed), tokenizer, root / name)
     tasks = generate_tasks(num_tasks, seed=7)
     write_jsonl(root / "prompts.jsonl", [task_record(t) for t in tasks])

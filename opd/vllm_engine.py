@@ -1,0 +1,139 @@
+"""vLLM as the student's sampler (`rollout.engine: vllm`).
+
+Each training rank holds its own in-process vLLM engine over a copy of the student's weights
+(colocated; on GPU it shares the device with the training engine). The rollout state machine
+stays opd.rollout's: this module only turns a set of conversation contexts into one assistant
+turn each, token IDs in and token IDs out (vLLM never sees text, and is started without a
+tokenizer), stopping at the chat format's stop IDs or the turn's token budget, with the sampled
+token's log-prob. Each request carries its own seed, so a turn's sample depends on
+(rollout seed, conversation, turn) and not on what else is in the batch.
+
+After every optimizer step the trainer streams the student's weights in, one module's parameters
+at a time (`StudentEngine.full_parameters`: ZeRO-3 gathers a module, FSDP2 one full tensor), and
+vLLM loads them by their Hugging Face names in place; its prefix cache is reset so no cached key
+or value of the old weights is reused.
+
+vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 only:
+a student with another head size is refused before any engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from opd.errors import ConfigError
+
+CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    context: list[int]  # the conversation so far
+    max_tokens: int  # the turn's budget
+    seed: int
+
+
+def check_servable(model_path: str, device_type: str) -> None:
+    """Refuse, in one sentence and before any engine starts, a run vLLM cannot serve."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
+                          "(CPU) or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
+    config = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"rollout.engine=vllm: the student's attention head size is {head_dim}, and vLLM's CPU "
+            f"attention supports {sorted(CPU_HEAD_SIZES)} only; use rollout.engine=hf or a "
+            "student with one of those head sizes.")
+
+
+def request_seed(seed: int, conversation: int, turn: int) -> int:
+    """A per-request seed from (rollout seed, conversation index, turn), within vLLM's int64."""
+    return (seed * 1_000_003 + conversation * 1_009 + turn) % (2 ** 62)
+
+
+class VLLMEngine:
+    """One in-process vLLM engine holding the student's weights."""
+
+    def __init__(self, model_path: str, *, max_model_len: int, dtype: torch.dtype, seed: int,
+                 gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 enable_sleep_mode: bool = False):
+        # The engine core runs in this process: weight loading is a direct call, not an RPC.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU default is 4
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+        self.llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                       max_model_len=max_model_len, enable_prefix_caching=True,
+                       gpu_memory_utilization=gpu_memory_utilization,
+                       tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
+                       enable_sleep_mode=enable_sleep_mode,
+                       # After temperature, as the HF engine records; with top-k or top-p also
+                       # after their truncation (the HF engine records before it).
+                       logprobs_mode="processed_logprobs")
+
+    def generate_turns(self, requests: Sequence[TurnRequest], *, stop_token_ids: Iterable[int],
+                       temperature: float, top_p: float, top_k: int,
+                       vocab_size: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """One assistant turn per request: its token IDs (ending with the stop token when one
+        was sampled) and each token's log-prob under the temperature-scaled distribution.
+        `vocab_size` below the model's (embedding padding) keeps padded IDs from being drawn."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stops = sorted(stop_token_ids)
+        allowed = list(range(vocab_size)) if vocab_size and vocab_size < self.vocab_size else None
+        # top_k == 1 is the HF engine's greedy: temperature 0 is vLLM's.
+        greedy = top_k == 1
+        params = [SamplingParams(max_tokens=request.max_tokens,
+                                 temperature=0.0 if greedy else temperature, top_p=top_p,
+                                 top_k=-1 if greedy or top_k <= 0 else top_k,
+                                 seed=request.seed, stop_token_ids=stops, logprobs=0,
+                                 detokenize=False, ignore_eos=True, allowed_token_ids=allowed)
+                  for request in requests]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=request.context)
+                                     for request in requests], params, use_tqdm=False)
+        turns = []
+        for output in outputs:
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
+            turns.append((tokens, logprobs))
+        return turns
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream Hugging Face-named tensors into the engine's model, in place."""
+        def load(worker) -> None:
+            worker.reload_weights(weights_iterator=iter(named_tensors))
+
+        self.llm.collective_rpc(load)
+        self.llm.reset_prefix_cache()
+
+    def sequence_logprobs(self, ids: Sequence[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 under the engine's current weights."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], [params],
+                                   use_tqdm=False)[0]
+        return [float(step[token].logprob)
+                for token, step in zip(ids[1:], output.prompt_logprobs[1:])]
+
+    def sleep(self) -> None:
+        """Release the KV cache (and offload weights) while the student trains (GPU only)."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
