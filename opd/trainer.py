@@ -128,7 +128,10 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
     if config.rollout.engine == "vllm":
         sampler = VLLMEngine(config.model.student, max_model_len=config.rollout.max_total_len,
                              dtype=student.dtype, seed=config.seed + world.rank,
-                             gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+                             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                             enable_sleep_mode=world.device.type == "cuda")
+        if world.device.type == "cuda":
+            sampler.sleep()  # until the first rollout: training needs the memory first
     return Run(config=config, plugins=plugins, inputs=inputs, world=world, student=student,
                teacher=teacher, executor=executor, log=log, start_step=start_step,
                sampler=sampler)
@@ -176,10 +179,16 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
                            run.epoch_orders.setdefault("prompts", {}))
     seed = rollout_seed(config, step, world.rank)
     if run.sampler is not None:
+        # On GPU vLLM sleeps while the student trains: its KV cache and weights leave the device.
+        sleeps = world.device.type == "cuda"
+        if sleeps:
+            run.sampler.wake_up()
         sync_s = sync_sampler(run, run.sampler)
         trajectories = rollout(None, run.inputs.chat, run.executor, prompts, config.rollout,
                                seed=seed, parser=run.plugins.parser,
                                vocab_size=run.inputs.vocab_size, engine=run.sampler)
+        if sleeps:
+            run.sampler.sleep()
         return trajectories, False, {"sync_s": round(sync_s, 4),
                                      **sampler_logprob_gap(run, trajectories)}
     gather = config.student.generation_gather == "once"
