@@ -139,6 +139,9 @@ def init_deepspeed_comm(world: World) -> None:
     from deepspeed import comm
 
     if not comm.is_initialized():
+        if world.world_size == 1 and world.device.type == "cpu":
+            from opd.backends.deepspeed_internals import skip_shared_memory_comm_op
+            skip_shared_memory_comm_op()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     if world.local_world_size != world.world_size and world.device.type == "cpu":
         # The CPU shared-memory all-reduce needs every rank on one host; across hosts it would

@@ -41,3 +41,12 @@ def without_zero3_hooks(optimizer) -> Iterator[None]:
         yield
     finally:
         offload._register_deepspeed_module(offload.module)
+
+
+def skip_shared_memory_comm_op() -> None:
+    """Mark DeepSpeed's CPU shared-memory all-reduce op unavailable, so that its communication
+    layer starts without compiling it (about 40 s, once per machine): one rank never
+    all-reduces. `deepspeed.ops.__compatible_ops__` is the dict DeepSpeed itself consults."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
