@@ -15,6 +15,7 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
     kd_oracle       off-policy, forward KL on the dataset's oracle conversations
     sft_teacher     cross-entropy (loss.direction=sft) on the teacher-written conversations
     gkd_mix         half of the steps on-policy, half on the teacher-written conversations
+    gkd_mix_oracle  half of the steps on-policy, half on the dataset's oracle conversations
 
 Teacher-written conversations are sampled once per sampling seed from the teacher on the
 recipe's training prompts at the recipe's rollout temperature, tools executed in the sandbox,
@@ -63,6 +64,7 @@ METHODS = {
     "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",
                     f"data.completions={TEACHER_CONVERSATIONS}"],
     "gkd_mix": ["loss.off_policy_fraction=0.5", f"data.completions={TEACHER_CONVERSATIONS}"],
+    "gkd_mix_oracle": ["loss.off_policy_fraction=0.5"],
 }
 # Seeds of generate_tasks that prepare does not use (it uses seed + 1..3 with seed 0).
 VALIDATION_SEED = 1000
