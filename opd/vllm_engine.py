@@ -115,7 +115,21 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream Hugging Face-named tensors into the engine's model, in place."""
         def load(worker) -> None:
+            from vllm.model_executor.layers.vocab_parallel_embedding import (
+                VocabParallelEmbedding,
+            )
+            from vllm.platforms import current_platform
+
+            # reload_weights, not the model's load_weights: it redoes the processing after
+            # loading (kernel-format repacking) the served weights went through.
             worker.reload_weights(weights_iterator=iter(named_tensors))
+            if current_platform.is_cpu():
+                # On CPU the output embedding computes logits from a packed copy of its weight;
+                # a tied lm_head is never loaded by name, so that copy would stay stale (a
+                # log-prob gap of 0.12 after scaling the embedding). Repack every one.
+                for module in worker.model_runner.model.modules():
+                    if isinstance(module, VocabParallelEmbedding):
+                        module.quant_method.process_weights_after_loading(module)
 
         self.llm.collective_rpc(load)
         self.llm.reset_prefix_cache()

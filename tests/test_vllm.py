@@ -137,6 +137,28 @@ def test_new_weights_reach_the_engine_exactly(caller, engine, compact_tokenizer,
         engine.load_weights(model.named_parameters())
 
 
+@pytest.mark.vllm
+@vllm_installed
+def test_a_tied_output_embedding_follows_its_new_weights(compact_tokenizer, tmp_path):
+    """A tied lm_head is never loaded by name: scaling only the embedding must still reach the
+    logits (on CPU vLLM computes them from a packed copy that must be rebuilt)."""
+    from conftest import build_tiny_model
+
+    from opd.vllm_engine import VLLMEngine
+    model = build_tiny_model(compact_tokenizer, tmp_path, hidden_size=128,
+                             tie_word_embeddings=True).eval()
+    engine = VLLMEngine(str(tmp_path), max_model_len=256, dtype=torch.float32, seed=0)
+    ids = list(range(5, 60))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1.3)
+        x = torch.tensor([ids])
+        logits = model(input_ids=x).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    engine.load_weights(model.named_parameters())
+    torch.testing.assert_close(torch.tensor(engine.sequence_logprobs(ids)), expected,
+                               atol=1e-4, rtol=0)
+
+
 def _train(recipe: Path, run_dir: Path, *overrides: str) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "launch/train.py", "--recipe", str(recipe),
