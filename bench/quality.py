@@ -8,7 +8,7 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
 (`launch/train.py`, one process) for the same number of optimizer steps with the same prompts
 (or conversations) per step; only the loss and where a step's conversations come from differ:
 
-    opd_forward_kl  on-policy, forward KL (the default recipe)
+    opd_forward_kl  on-policy, forward KL
     opd_reverse_kl  on-policy, reverse KL
     opd_jsd         on-policy, generalised JSD, beta 0.5
     kd_teacher      off-policy, forward KL on conversations the teacher wrote
@@ -16,6 +16,7 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
     sft_teacher     cross-entropy (loss.direction=sft) on the teacher-written conversations
     gkd_mix         half of the steps on-policy, half on the teacher-written conversations
     gkd_mix_oracle  half of the steps on-policy, half on the dataset's oracle conversations
+                    (the default recipe)
 
 Teacher-written conversations are sampled once per sampling seed from the teacher on the
 recipe's training prompts at the recipe's rollout temperature, tools executed in the sandbox,
@@ -54,11 +55,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "toolcalc_tiny.yaml"
 TEACHER_CONVERSATIONS = "{teacher_conversations}"
+# Explicit: the recipe's own default is the GKD mix, which would silently turn OPD into it.
+ON_POLICY = "loss.off_policy_fraction=0.0"
 # method -> the config overrides that make it (on top of the recipe and the study's own)
 METHODS = {
-    "opd_forward_kl": ["loss.direction=forward_kl"],
-    "opd_reverse_kl": ["loss.direction=reverse_kl"],
-    "opd_jsd": ["loss.direction=jsd", "loss.beta=0.5"],
+    "opd_forward_kl": ["loss.direction=forward_kl", ON_POLICY],
+    "opd_reverse_kl": ["loss.direction=reverse_kl", ON_POLICY],
+    "opd_jsd": ["loss.direction=jsd", "loss.beta=0.5", ON_POLICY],
     "kd_teacher": ["loss.off_policy_fraction=1.0", f"data.completions={TEACHER_CONVERSATIONS}"],
     "kd_oracle": ["loss.off_policy_fraction=1.0"],
     "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",

@@ -7,6 +7,14 @@ token or its own budget. Rows that called tools get their observations (executed
 tool sandbox) appended and join the next phase. Left padding with explicit attention masks and
 position ids means no row's tokens depend on another row's padding.
 
+With the vLLM engine (rollout.engine=vllm) conversations are scheduled one by one instead: a
+conversation's next turn is submitted as soon as its observations (or next user turn) are in,
+tool calls run on a background lane while the engine generates for the others, and vLLM's
+continuous batching and prefix cache do the rest. The HF engine stays phase-synchronous on
+purpose: its rows share one sampling generator, so a row joining mid-phase would make samples
+depend on tool timing, and joining a left-padded KV cache mid-phase is continuous batching,
+which is what vLLM is for.
+
 Each conversation is an episode of the executor (opd.tools, opd.environments): opened when its
 batch starts (a stateful environment constructed from the record's "environment"), fed each
 turn's calls, its final state read into `AgentTrajectory.environment_state` and closed as soon
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,8 +52,8 @@ import torch
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns
-from opd.tools import Episode, ToolCallCounts, parse_hermes_tool_calls
-from opd.vllm_engine import TurnRequest, request_seed
+from opd.tools import Episode, ToolCallCounts, ToolResult, parse_hermes_tool_calls
+from opd.vllm_engine import TurnRequest, TurnSampling, request_seed
 
 if TYPE_CHECKING:
     from opd.vllm_engine import VLLMEngine
@@ -228,13 +237,22 @@ class _BatchRollout:
 
     def __init__(self, model, chat: ChatFormat, executor, parser, cfg: RolloutConfig,
                  rows: list[_Row], sampler: _Sampler, device: torch.device,
-                 engine: VLLMEngine | None = None, seed: int = 0):
+                 engine: VLLMEngine | None = None, seed: int = 0,
+                 tool_lane: ThreadPoolExecutor | None = None, overlap: bool = True):
         self.model, self.chat, self.executor, self.parser = model, chat, executor, parser
         self.cfg, self.rows, self.sampler, self.device = cfg, rows, sampler, device
         self.engine, self.seed = engine, seed
         if engine is None:
             self.cache_name = cache_argument_name(getattr(model, "module", model))
         self.phase: _Phase | None = None
+        # vLLM engine only (see _advance_conversations)
+        self.sampling = TurnSampling(tuple(sorted(chat.stop_token_ids)), cfg.temperature,
+                                     cfg.top_p, cfg.top_k, sampler.vocab_size)
+        self.tool_lane, self.overlap = tool_lane, overlap
+        self.ready: list[_Row] | None = None  # conversations whose next turn is not submitted
+        self.in_flight: dict[str, _Row] = {}  # by the engine's request ID
+        self.waiting_calls: list[tuple[_Row, list]] = []  # turns ended, tools not started
+        self.tool_batch: tuple[Future, list[tuple[_Row, list]]] | None = None  # on the lane
 
     @property
     def finished(self) -> bool:
@@ -263,15 +281,20 @@ class _BatchRollout:
 
     def close_episodes(self) -> None:
         """Close every episode still open (the rollout is interrupted)."""
+        if self.engine is not None:
+            self.engine.abort()
+        if self.tool_batch is not None:
+            wait([self.tool_batch[0]])  # its calls hold the executor
         for row in self.rows:
             if row.episode is not None:
                 self.executor.close_episode(row.episode)
 
     def step(self) -> None:
         """HF engine: one forward call (prefill or one decode step) of the current phase. vLLM
-        engine: a whole assistant turn of every talking row, in one generate call."""
+        engine: one engine iteration, then every conversation whose turn or tools are done moves
+        on (`_advance_conversations`)."""
         if self.engine is not None:
-            self._generate_turns(self.engine)
+            self._advance_conversations(self.engine)
             return
         if self.phase is None:
             self.phase = _Phase(self._start_turn(), self.chat.pad_token_id, self.device)
@@ -288,24 +311,63 @@ class _BatchRollout:
     def _start_turn(self) -> list[_Row]:
         talking = [row for row in self.rows if not row.done]
         for row in talking:
-            row.turn_start = len(row.trajectory.input_ids)
-            row.budget = min(self.cfg.max_new_tokens, self.cfg.max_total_len - row.turn_start)
+            self._begin_turn(row)
         return talking
 
-    def _generate_turns(self, engine: VLLMEngine) -> None:
-        rows = self._start_turn()
-        requests = [TurnRequest(list(row.trajectory.input_ids), row.budget,
-                                request_seed(self.seed, row.prompt_index, row.trajectory.turns))
-                    for row in rows]
-        turns = engine.generate_turns(requests, stop_token_ids=self.chat.stop_token_ids,
-                                      temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                      top_k=self.cfg.top_k, vocab_size=self.sampler.vocab_size)
-        for row, (tokens, logprobs) in zip(rows, turns):
-            trajectory = row.trajectory
-            trajectory.input_ids.extend(tokens)
-            trajectory.assistant_mask.extend([True] * len(tokens))
-            trajectory.logprobs.extend(logprobs)
-        self._end_phase(rows)
+    def _begin_turn(self, row: _Row) -> None:
+        row.turn_start = len(row.trajectory.input_ids)
+        row.budget = min(self.cfg.max_new_tokens, self.cfg.max_total_len - row.turn_start)
+
+    def _advance_conversations(self, engine: VLLMEngine) -> None:
+        """Per-conversation scheduling: a conversation's next turn is submitted as soon as its
+        tools (or its next user turn) are in, and the calls of conversations whose turns ended
+        run on the tool lane (one batch at a time: the executor serialises calls) while the
+        engine keeps generating for the others. A turn's sample depends only on its request's
+        seed, so the trajectories do not depend on this timing. `overlap=False` is the
+        turn-synchronous schedule: every turn of a round, then every tool call, then the next
+        round (the reference the tests compare against)."""
+        if self.ready is None:  # the batch's first call
+            self.ready = [row for row in self.rows if not row.done]
+        else:
+            if engine.running:
+                for request_id, tokens, logprobs in engine.step():
+                    row = self.in_flight.pop(request_id)
+                    row.trajectory.input_ids.extend(tokens)
+                    row.trajectory.assistant_mask.extend([True] * len(tokens))
+                    row.trajectory.logprobs.extend(logprobs)
+                    calls = self._end_turn(row)
+                    if calls is None:
+                        self._turn_done(row)
+                    else:
+                        self.waiting_calls.append((row, calls))
+            if self.tool_batch is not None and (self.tool_batch[0].done() or not engine.running):
+                (future, batch), self.tool_batch = self.tool_batch, None
+                self._append_observations(batch, future.result())
+                for row, _ in batch:
+                    self._turn_done(row)
+            if self.tool_batch is None:
+                self.finish_episodes()  # reads states over the executor: not while calls run
+                if self.waiting_calls and (self.overlap or not engine.running):
+                    batch, self.waiting_calls = self.waiting_calls, []
+                    assert self.tool_lane is not None
+                    self.tool_batch = (self.tool_lane.submit(self._run_calls, batch), batch)
+        if self.ready and (self.overlap or not (engine.running or self.tool_batch
+                                                or self.waiting_calls)):
+            for row in self.ready:
+                self._begin_turn(row)
+                request = TurnRequest(list(row.trajectory.input_ids), row.budget,
+                                      request_seed(self.seed, row.prompt_index,
+                                                   row.trajectory.turns))
+                self.in_flight[engine.submit(request, self.sampling)] = row
+            self.ready = []
+
+    def _turn_done(self, row: _Row) -> None:
+        """A vLLM-engine conversation whose turn (and tools) ended: queue its next turn."""
+        if row.next_user is not None:
+            self._append_user_turn(row)
+        if not row.done:
+            assert self.ready is not None
+            self.ready.append(row)
 
     def _record(self, phase: _Phase, tokens: list[int], logprobs: list[float]) -> None:
         for b, row in enumerate(phase.rows):
@@ -326,7 +388,7 @@ class _BatchRollout:
             if calls is not None:
                 waiting.append((row, calls))
         if waiting:
-            self._append_observations(waiting)
+            self._append_observations(waiting, self._run_calls(waiting))
         for row in rows:
             if row.next_user is not None:
                 self._append_user_turn(row)
@@ -364,9 +426,12 @@ class _BatchRollout:
             return None
         return calls
 
-    def _append_observations(self, waiting: list[tuple[_Row, list]]) -> None:
-        results = self.executor.run_episode_calls(
+    def _run_calls(self, waiting: list[tuple[_Row, list]]) -> dict[Episode, list[ToolResult]]:
+        return self.executor.run_episode_calls(
             {row.live_episode: calls for row, calls in waiting})
+
+    def _append_observations(self, waiting: list[tuple[_Row, list]],
+                             results: dict[Episode, list[ToolResult]]) -> None:
         for row, calls in waiting:
             trajectory, episode = row.trajectory, row.live_episode
             trajectory.counts.add(results[episode])
@@ -414,7 +479,7 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
             sync: Callable[[bool], bool] | None = None, vocab_size: int | None = None,
-            engine: VLLMEngine | None = None) -> list[AgentTrajectory]:
+            engine: VLLMEngine | None = None, overlap: bool = True) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
     further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
@@ -422,7 +487,9 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
     work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
     With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: each rank
-    has its own engine, so no collective runs and `sync` is not needed.
+    has its own engine, so no collective runs and `sync` is not needed; each conversation moves
+    on by itself and tools run while the engine generates (`overlap=False`: turn-synchronous
+    rounds, the same trajectories, slower).
     """
     cfg.validate()
     parser = parser or parse_hermes_tool_calls
@@ -431,8 +498,9 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     rows = [_new_row(chat, prompt, i, cfg) for i, prompt in enumerate(prompts)]
     module = getattr(model, "module", model) if engine is None else torch.nn.Module()
     device = next(module.parameters()).device if engine is None else torch.device("cpu")
+    tool_lane = ThreadPoolExecutor(1, thread_name_prefix="opd-tools") if engine else None
     batches = [_BatchRollout(model, chat, executor, parser, cfg, rows[i:i + cfg.batch_size],
-                             sampler, device, engine, seed)
+                             sampler, device, engine, seed, tool_lane, overlap)
                for i in range(0, len(rows), cfg.batch_size)]
     was_training = module.training
     module.eval()
@@ -454,6 +522,8 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
         module.train(was_training)
         for batch in batches:
             batch.close_episodes()
+        if tool_lane is not None:
+            tool_lane.shutdown()
     return [row.trajectory for row in rows]
 
 

@@ -2,11 +2,12 @@
 
 Each training rank holds its own in-process vLLM engine over a copy of the student's weights
 (colocated; on GPU it shares the device with the training engine). The rollout state machine
-stays opd.rollout's: this module only turns a set of conversation contexts into one assistant
-turn each, token IDs in and token IDs out (vLLM never sees text, and is started without a
+stays opd.rollout's: this module only samples assistant turns, each submitted on its own as soon
+as its conversation is ready (`submit`) and returned by the engine iteration that finishes it
+(`step`), token IDs in and token IDs out (vLLM never sees text, and is started without a
 tokenizer), stopping at the chat format's stop IDs or the turn's token budget, with the sampled
 token's log-prob. Each request carries its own seed, so a turn's sample depends on
-(rollout seed, conversation, turn) and not on what else is in the batch.
+(rollout seed, conversation, turn) and not on what else is running.
 
 After every optimizer step the trainer streams the student's weights in, one module's parameters
 at a time (`StudentEngine.full_parameters`: ZeRO-3 gathers a module, FSDP2 one full tensor), and
@@ -35,6 +36,17 @@ class TurnRequest:
     context: list[int]  # the conversation so far
     max_tokens: int  # the turn's budget
     seed: int
+
+
+@dataclass(frozen=True)
+class TurnSampling:
+    """How every turn of a rollout is sampled (opd.config.RolloutConfig's sampling keys)."""
+
+    stop_token_ids: tuple[int, ...]
+    temperature: float
+    top_p: float
+    top_k: int
+    vocab_size: int | None = None  # the vocabulary student and teacher share
 
 
 def check_servable(model_path: str, device_type: str) -> None:
@@ -82,35 +94,64 @@ class VLLMEngine:
                        # After temperature, as the HF engine records; with top-k or top-p also
                        # after their truncation (the HF engine records before it).
                        logprobs_mode="processed_logprobs")
+        self._running: dict[str, str] = {}  # submitted, unfinished turns: ID -> vLLM's own ID
+        self._allowed: list[int] = []
 
-    def generate_turns(self, requests: Sequence[TurnRequest], *, stop_token_ids: Iterable[int],
-                       temperature: float, top_p: float, top_k: int,
-                       vocab_size: int | None = None) -> list[tuple[list[int], list[float]]]:
-        """One assistant turn per request: its token IDs (ending with the stop token when one
-        was sampled) and each token's log-prob under the temperature-scaled distribution.
-        `vocab_size` below the model's (embedding padding) keeps padded IDs from being drawn."""
+    def submit(self, request: TurnRequest, sampling: TurnSampling) -> str:
+        """Queue one assistant turn: it ends at a stop ID (kept) or after `max_tokens`; `step`
+        returns it, under the returned ID, with each token's log-prob under the
+        temperature-scaled distribution. `sampling.vocab_size` below the model's (embedding
+        padding) keeps padded IDs from being drawn."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        stops = sorted(stop_token_ids)
-        allowed = list(range(vocab_size)) if vocab_size and vocab_size < self.vocab_size else None
+        allowed = None
+        if sampling.vocab_size and sampling.vocab_size < self.vocab_size:
+            if len(self._allowed) != sampling.vocab_size:
+                self._allowed = list(range(sampling.vocab_size))
+            allowed = self._allowed
         # top_k == 1 is the HF engine's greedy: temperature 0 is vLLM's.
-        greedy = top_k == 1
-        params = [SamplingParams(max_tokens=request.max_tokens,
-                                 temperature=0.0 if greedy else temperature, top_p=top_p,
-                                 top_k=-1 if greedy or top_k <= 0 else top_k,
-                                 seed=request.seed, stop_token_ids=stops, logprobs=0,
-                                 detokenize=False, ignore_eos=True, allowed_token_ids=allowed)
-                  for request in requests]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=request.context)
-                                     for request in requests], params, use_tqdm=False)
-        turns = []
-        for output in outputs:
+        greedy = sampling.top_k == 1
+        params = SamplingParams(max_tokens=request.max_tokens,
+                                temperature=0.0 if greedy else sampling.temperature,
+                                top_p=sampling.top_p,
+                                top_k=-1 if greedy or sampling.top_k <= 0 else sampling.top_k,
+                                seed=request.seed, stop_token_ids=list(sampling.stop_token_ids),
+                                logprobs=0, detokenize=False, ignore_eos=True,
+                                allowed_token_ids=allowed,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        (internal_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(request.context))],
+                                          [params], use_tqdm=False)
+        # Outputs carry the ID before vLLM's uniqueness suffix ("<counter>-<8 random chars>").
+        request_id = internal_id.rsplit("-", 1)[0]
+        self._running[request_id] = internal_id
+        return request_id
+
+    @property
+    def running(self) -> bool:
+        """Whether a submitted turn has not come back from `step` yet."""
+        return bool(self._running)
+
+    def step(self) -> list[tuple[str, list[int], list[float]]]:
+        """One engine iteration (one forward over the running turns): the turns it finished, as
+        (ID from `submit`, token IDs, log-probs)."""
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if not output.finished:
+                continue
+            del self._running[output.request_id]
             sample = output.outputs[0]
             tokens = list(sample.token_ids)
             logprobs = [float(step[token].logprob) for token, step in zip(tokens, sample.logprobs)]
-            turns.append((tokens, logprobs))
-        return turns
+            finished.append((output.request_id, tokens, logprobs))
+        return finished
+
+    def abort(self) -> None:
+        """Drop every turn still running (an interrupted rollout)."""
+        if self._running:
+            self.llm.llm_engine.abort_request(list(self._running.values()), internal=True)
+            self._running.clear()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream Hugging Face-named tensors into the engine's model, in place."""

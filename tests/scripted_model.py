@@ -9,6 +9,8 @@ unchanged on it: left padding, KV-cache calls, sampling, tools and rendering are
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 
@@ -45,3 +47,43 @@ class ScriptedPolicy(torch.nn.Module):
         for b, history in enumerate(histories):
             logits[b, 0, self._next_token(history)] = 1e4
         return {"logits": logits, "cache": histories}
+
+
+class ScriptedEngine(ScriptedPolicy):
+    """The same scripts served the way opd.vllm_engine.VLLMEngine serves turns to the rollout:
+    each turn submitted on its own and returned by a later `step`, after a number of steps drawn
+    from the request's seed, so turns finish out of submission order and the per-conversation
+    schedule (tools on their lane while other turns generate) runs without vLLM installed. Still
+    a model, for the callers (eval) that take one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._running: dict[str, tuple[int, list[int]]] = {}
+        self._clock = 0
+        self._submitted = 0
+
+    def submit(self, request, sampling) -> str:
+        tokens: list[int] = []
+        while len(tokens) < request.max_tokens:
+            tokens.append(self._next_token(list(request.context) + tokens))
+            if tokens[-1] in sampling.stop_token_ids:
+                break
+        request_id, self._submitted = str(self._submitted), self._submitted + 1
+        due = self._clock + 1 + random.Random(request.seed).randrange(4)
+        self._running[request_id] = (due, tokens)
+        return request_id
+
+    @property
+    def running(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> list[tuple[str, list[int], list[float]]]:
+        self._clock += 1
+        finished = [(request_id, tokens, [0.0] * len(tokens))
+                    for request_id, (due, tokens) in self._running.items() if due <= self._clock]
+        for request_id, _, _ in finished:
+            del self._running[request_id]
+        return finished
+
+    def abort(self) -> None:
+        self._running.clear()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from env_fixtures import COUNTER_TOOLS, Counter
-from scripted_model import ScriptedPolicy
+from scripted_model import ScriptedEngine, ScriptedPolicy
 
 from opd.chat import ChatFormat
 from opd.data import completion_trajectory, prompt_record, user_turns
@@ -51,18 +51,26 @@ def executor():
         yield pool
 
 
-@pytest.fixture(params=sorted(TEMPLATES))
+# phases: the HF engine's phase-synchronous batch; per_conversation: the vLLM engine's schedule
+# (turns finish out of order, tools run on their lane while other turns generate).
+@pytest.fixture(params=[(template, schedule) for template in sorted(TEMPLATES)
+                        for schedule in ("phases", "per_conversation")],
+                ids=lambda param: "-".join(param))
 def scripted(request, qwen3_tokenizer, compact_tokenizer):
-    tokenizer = qwen3_tokenizer if request.param == "qwen3" else compact_tokenizer
-    kwargs, prefix = TEMPLATES[request.param]
+    template, schedule = request.param
+    tokenizer = qwen3_tokenizer if template == "qwen3" else compact_tokenizer
+    kwargs, prefix = TEMPLATES[template]
     chat = ChatFormat(tokenizer, kwargs)
-    return chat, ScriptedPolicy(tokenizer, SCRIPTS, tokenizer.eos_token_id, prefix)
+    policy = ScriptedEngine if schedule == "per_conversation" else ScriptedPolicy
+    return chat, policy(tokenizer, SCRIPTS, tokenizer.eos_token_id, prefix)
 
 
 def run(scripted, executor, records, **limits):
     chat, policy = scripted
     cfg = RolloutConfig(**{"max_turns": 8, "max_new_tokens": 64, "max_total_len": 2048,
                            "batch_size": len(records), **limits})
+    if isinstance(policy, ScriptedEngine):
+        return rollout(None, chat, executor, records, cfg, engine=policy)
     return rollout(policy, chat, executor, records, cfg)
 
 

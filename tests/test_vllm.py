@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,69 @@ def test_sampled_rollouts_hold_the_invariants_and_repeat_under_a_seed(
         logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[torch.tensor(trajectory.assistant_mask[1:])],
                                    torch.tensor(trajectory.logprobs), atol=1e-4, rtol=0)
+
+
+class _SlowTools:
+    """The executor, with each batch of calls held for `delay_s` (a slow API or sandbox) and the
+    order of tool batches and finished turns recorded."""
+
+    def __init__(self, executor, engine, delay_s: float):
+        self.executor, self.delay_s, self.events = executor, delay_s, []
+        self.engine_step = engine.step
+
+        def step():
+            finished = self.engine_step()
+            self.events.extend(["turn"] * len(finished))
+            return finished
+        self.recorded_step = step
+
+    def run_episode_calls(self, calls):
+        self.events.append("tools start")
+        time.sleep(self.delay_s)
+        results = self.executor.run_episode_calls(calls)
+        self.events.append("tools end")
+        return results
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+
+def _turns_during_tools(events: list[str]) -> int:
+    inside, count = False, 0
+    for event in events:
+        inside = {"tools start": True, "tools end": False}.get(event, inside)
+        count += inside and event == "turn"
+    return count
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_conversations_move_on_while_others_run_tools(caller, engine, compact_tokenizer, tools,
+                                                      executor, monkeypatch):
+    """Per-conversation scheduling: turns finish while another conversation's tools run, and
+    the trajectories are exactly those of turn-synchronous rounds (each turn has its own seed)."""
+    model, _ = caller
+    chat = _chat(compact_tokenizer, model)
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=40, max_total_len=700, batch_size=16)
+    prompts = sampled_prompts(tools, 16)
+    runs = {}
+    for overlap in (True, False):
+        slow = _SlowTools(executor, engine, delay_s=0.3)
+        monkeypatch.setattr(engine, "step", slow.recorded_step)
+        runs[overlap] = rollout(None, chat, slow, prompts, cfg, seed=5, engine=engine,
+                                overlap=overlap), slow.events
+        monkeypatch.undo()
+    (overlapped, events), (rounds, round_events) = runs[True], runs[False]
+    assert any(kind == "observation" for t in rounds for _, _, kind in t.spans)
+    assert _turns_during_tools(events) > 0
+    assert _turns_during_tools(round_events) == 0
+    for expected, got in zip(rounds, overlapped):
+        assert got.input_ids == expected.input_ids
+        assert got.spans == expected.spans
+        assert got.truncation_reason == expected.truncation_reason
+        assert got.counts == expected.counts
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected.logprobs),
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.vllm
