@@ -3,12 +3,12 @@
 Both engines sample the same toolcalc prompts (multi-turn, tools in the sandbox) from the same
 Llama (the toolcalc student's width and depth, but 2 heads of 32: vLLM's CPU attention has no
 head size 16; briefly SFT-ed on toolcalc's oracle conversations, so it calls tools), at the
-toolcalc vocabulary (1,286) and at Qwen3's (151,936, the
-tokenizer's 1,286 IDs drawable). vLLM runs twice: in turn-synchronous rounds (`overlap=False`)
-and with per-conversation scheduling (the default: a conversation's next turn starts as soon as
-its tools return, tools run while the engine generates). `--tool-latency-ms` makes every tool
-call that much slower, inside the sandbox (an API round trip; toolcalc's own tools take ~1 ms
-plus the sandbox's fork), with `--tool-workers` sandbox workers.
+toolcalc vocabulary (1,286) and at Qwen3's (151,936, the tokenizer's 1,286 IDs drawable). vLLM
+runs twice: in turn-synchronous rounds (`rollout.vllm_schedule=rounds`) and with per-conversation
+scheduling (the default: a conversation's next turn starts as soon as its tools return, tools
+run while the engine generates). `--tool-latency-ms` makes every tool call that much slower,
+inside the sandbox (an API round trip; toolcalc's own tools take ~1 ms plus the sandbox's fork),
+with `--tool-workers` sandbox workers.
 
 Prints one JSON line per vocabulary and latency: trajectories/s and tokens/s of each engine and
 schedule, the ratios, and the seconds to stream the weights into vLLM (one optimizer step's
@@ -25,6 +25,7 @@ import contextlib
 import json
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -71,10 +72,10 @@ def with_vocabulary(model, vocab_size: int, directory: str):
     return model.eval()
 
 
-def timed_rollout(model, engine, chat, executor, prompts, cfg, vocab_size, overlap=True):
+def timed_rollout(model, engine, chat, executor, prompts, cfg, vocab_size):
     start = time.perf_counter()
     trajectories = rollout(model, chat, executor, prompts, cfg, seed=0, vocab_size=vocab_size,
-                           engine=engine, overlap=overlap)
+                           engine=engine)
     seconds = time.perf_counter() - start
     tokens = sum(sum(t.assistant_mask) for t in trajectories)
     return seconds, tokens, sum(t.turns for t in trajectories) / len(trajectories)
@@ -120,8 +121,10 @@ def main() -> None:
             for latency_ms, executor in executors.items():
                 runs = {name: timed_rollout(model if name == "hf" else None,
                                             None if name == "hf" else engine, chat, executor,
-                                            prompts, cfg, drawable, overlap=name != "rounds")
-                        for name in ("hf", "rounds", "vllm")}
+                                            prompts, replace(cfg, vllm_schedule=schedule),
+                                            drawable)
+                        for name, schedule in (("hf", "rounds"), ("rounds", "rounds"),
+                                               ("vllm", "conversation"))}
                 (hf_s, hf_tokens, _), (rounds_s, rounds_tokens, _), (vllm_s, vllm_tokens, turns) \
                     = runs["hf"], runs["rounds"], runs["vllm"]
                 print(json.dumps({

@@ -35,7 +35,7 @@ from opd.dist import World, all_gather_objects, broadcast_object
 MAY_DIFFER = ("train.steps", "logging.", "eval.", "cluster.", "checkpoint.every",
               "checkpoint.keep", "checkpoint.resume", "student.offload_optimizer",
               "student.offload_param", "student.gradient_checkpointing", "teacher.offload_param",
-              "teacher.nvme_path", "tools.num_workers")
+              "teacher.nvme_path", "tools.num_workers", "rollout.vllm_schedule")
 WANDB_PROBE_S = 5.0
 
 

@@ -9,7 +9,7 @@ position ids means no row's tokens depend on another row's padding.
 
 With the vLLM engine (rollout.engine=vllm) conversations are scheduled one by one instead: a
 conversation's next turn is submitted as soon as its observations (or next user turn) are in,
-tool calls run on a background lane while the engine generates for the others, and vLLM's
+tool calls run on background threads while the engine generates for the others, and vLLM's
 continuous batching and prefix cache do the rest. The HF engine stays phase-synchronous on
 purpose: its rows share one sampling generator, so a row joining mid-phase would make samples
 depend on tool timing, and joining a left-padded KV cache mid-phase is continuous batching,
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -238,7 +238,7 @@ class _BatchRollout:
     def __init__(self, model, chat: ChatFormat, executor, parser, cfg: RolloutConfig,
                  rows: list[_Row], sampler: _Sampler, device: torch.device,
                  engine: VLLMEngine | None = None, seed: int = 0,
-                 tool_lane: ThreadPoolExecutor | None = None, overlap: bool = True):
+                 tool_lanes: ThreadPoolExecutor | None = None):
         self.model, self.chat, self.executor, self.parser = model, chat, executor, parser
         self.cfg, self.rows, self.sampler, self.device = cfg, rows, sampler, device
         self.engine, self.seed = engine, seed
@@ -248,11 +248,11 @@ class _BatchRollout:
         # vLLM engine only (see _advance_conversations)
         self.sampling = TurnSampling(tuple(sorted(chat.stop_token_ids)), cfg.temperature,
                                      cfg.top_p, cfg.top_k, sampler.vocab_size)
-        self.tool_lane, self.overlap = tool_lane, overlap
+        self.tool_lanes, self.overlap = tool_lanes, cfg.vllm_schedule == "conversation"
         self.ready: list[_Row] | None = None  # conversations whose next turn is not submitted
         self.in_flight: dict[str, _Row] = {}  # by the engine's request ID
         self.waiting_calls: list[tuple[_Row, list]] = []  # turns ended, tools not started
-        self.tool_batch: tuple[Future, list[tuple[_Row, list]]] | None = None  # on the lane
+        self.tool_batches: list[tuple[Future, list[tuple[_Row, list]]]] = []  # on the lanes
 
     @property
     def finished(self) -> bool:
@@ -283,8 +283,7 @@ class _BatchRollout:
         """Close every episode still open (the rollout is interrupted)."""
         if self.engine is not None:
             self.engine.abort()
-        if self.tool_batch is not None:
-            wait([self.tool_batch[0]])  # its calls hold the executor
+        wait([future for future, _ in self.tool_batches])  # their calls hold episodes
         for row in self.rows:
             if row.episode is not None:
                 self.executor.close_episode(row.episode)
@@ -320,12 +319,13 @@ class _BatchRollout:
 
     def _advance_conversations(self, engine: VLLMEngine) -> None:
         """Per-conversation scheduling: a conversation's next turn is submitted as soon as its
-        tools (or its next user turn) are in, and the calls of conversations whose turns ended
-        run on the tool lane (one batch at a time: the executor serialises calls) while the
-        engine keeps generating for the others. A turn's sample depends only on its request's
-        seed, so the trajectories do not depend on this timing. `overlap=False` is the
-        turn-synchronous schedule: every turn of a round, then every tool call, then the next
-        round (the reference the tests compare against)."""
+        tools (or its next user turn) are in, and the calls of the conversations whose turns an
+        engine iteration ended start at once on the tool lanes (threads: the executor runs
+        calls from several at the same time) while the engine keeps generating for the others.
+        A turn's sample depends only on its request's seed, so the trajectories do not depend
+        on this timing. `rollout.vllm_schedule=rounds` is the turn-synchronous schedule: every
+        turn of a round, then every tool call, then the next round (the reference the tests
+        compare against)."""
         if self.ready is None:  # the batch's first call
             self.ready = [row for row in self.rows if not row.done]
         else:
@@ -340,18 +340,21 @@ class _BatchRollout:
                         self._turn_done(row)
                     else:
                         self.waiting_calls.append((row, calls))
-            if self.tool_batch is not None and (self.tool_batch[0].done() or not engine.running):
-                (future, batch), self.tool_batch = self.tool_batch, None
+            # Nothing to generate until tools return (in rounds, ready turns wait for them too).
+            if self.tool_batches and not engine.running and not (self.ready and self.overlap):
+                wait([future for future, _ in self.tool_batches], return_when=FIRST_COMPLETED)
+            for future, batch in [entry for entry in self.tool_batches if entry[0].done()]:
+                self.tool_batches.remove((future, batch))
                 self._append_observations(batch, future.result())
                 for row, _ in batch:
                     self._turn_done(row)
-            if self.tool_batch is None:
-                self.finish_episodes()  # reads states over the executor: not while calls run
-                if self.waiting_calls and (self.overlap or not engine.running):
-                    batch, self.waiting_calls = self.waiting_calls, []
-                    assert self.tool_lane is not None
-                    self.tool_batch = (self.tool_lane.submit(self._run_calls, batch), batch)
-        if self.ready and (self.overlap or not (engine.running or self.tool_batch
+            self.finish_episodes()
+            if self.waiting_calls and (self.overlap
+                                       or not (engine.running or self.tool_batches)):
+                batch, self.waiting_calls = self.waiting_calls, []
+                assert self.tool_lanes is not None
+                self.tool_batches.append((self.tool_lanes.submit(self._run_calls, batch), batch))
+        if self.ready and (self.overlap or not (engine.running or self.tool_batches
                                                 or self.waiting_calls)):
             for row in self.ready:
                 self._begin_turn(row)
@@ -479,7 +482,7 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
             sync: Callable[[bool], bool] | None = None, vocab_size: int | None = None,
-            engine: VLLMEngine | None = None, overlap: bool = True) -> list[AgentTrajectory]:
+            engine: VLLMEngine | None = None) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
     further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
@@ -487,9 +490,8 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
     work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
     With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: each rank
-    has its own engine, so no collective runs and `sync` is not needed; each conversation moves
-    on by itself and tools run while the engine generates (`overlap=False`: turn-synchronous
-    rounds, the same trajectories, slower).
+    has its own engine, so no collective runs and `sync` is not needed; `cfg.vllm_schedule`
+    chooses per-conversation scheduling or turn-synchronous rounds (the same trajectories).
     """
     cfg.validate()
     parser = parser or parse_hermes_tool_calls
@@ -498,9 +500,11 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     rows = [_new_row(chat, prompt, i, cfg) for i, prompt in enumerate(prompts)]
     module = getattr(model, "module", model) if engine is None else torch.nn.Module()
     device = next(module.parameters()).device if engine is None else torch.device("cpu")
-    tool_lane = ThreadPoolExecutor(1, thread_name_prefix="opd-tools") if engine else None
+    # One lane per conversation that can wait for tools at once.
+    tool_lanes = ThreadPoolExecutor(cfg.batch_size, thread_name_prefix="opd-tools") \
+        if engine is not None else None
     batches = [_BatchRollout(model, chat, executor, parser, cfg, rows[i:i + cfg.batch_size],
-                             sampler, device, engine, seed, tool_lane, overlap)
+                             sampler, device, engine, seed, tool_lanes)
                for i in range(0, len(rows), cfg.batch_size)]
     was_training = module.training
     module.eval()
@@ -522,8 +526,8 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
         module.train(was_training)
         for batch in batches:
             batch.close_episodes()
-        if tool_lane is not None:
-            tool_lane.shutdown()
+        if tool_lanes is not None:
+            tool_lanes.shutdown()
     return [row.trajectory for row in rows]
 
 

@@ -475,7 +475,9 @@ class ToolExecutor:
     runs as `run_as` when the trainer is root (None: stay root), in PID and mount namespaces of
     its worker where the kernel allows them and `namespaces` is set; `isolation` says what is in
     force. At most `max_calls_per_turn` calls of one row run; the others are invalid. Safe to
-    call from any thread; concurrent calls are serialised."""
+    call from any thread, and calls from several threads run at once: `run_batch` on the pool
+    workers it claims (waiting for one when all are busy), `run_episode_calls` on its episodes'
+    own workers."""
 
     def __init__(self, registry: ToolRegistry, *, timeout_s: float = 10.0,
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
@@ -513,10 +515,13 @@ class ToolExecutor:
         functions = {tool.name: tool.fn for tool in registry.tools}
         self._setup = pickle.dumps((functions, environment, max_result_chars, memory_limit_mb,
                                     timeout_s, user))
-        self._workers: list[_Worker] = []
+        self._workers: list[_Worker] = []  # the pool of stateless calls
+        self._free: list[_Worker] = []  # pool workers no call in flight has claimed
         self._episode_workers: list[_Worker] = []  # one per live episode, plus idle ones
         self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
+        # Guards the lists above and `_closed`; worker I/O of a call runs outside it.
+        self._lock = threading.RLock()
+        self._pool_changed = threading.Condition(self._lock)
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers,
                                            self._episode_workers)
@@ -531,6 +536,8 @@ class ToolExecutor:
         with self._lock:
             self._closed = True
             self._finalizer()
+            self._free.clear()
+            self._pool_changed.notify_all()
 
     def pids(self) -> list[int]:
         """The workers' launcher processes: each the root of its worker's process tree."""
@@ -617,7 +624,7 @@ class ToolExecutor:
             results[episode] = row
         with self._lock:
             self._check_open()
-            replies = self._exchange({e: q for e, q in requests.items() if q}, "a tool call")
+        replies = self._exchange({e: q for e, q in requests.items() if q}, "a tool call")
         for episode, reply in replies.items():
             row, answers = results[episode], iter(reply)
             for index, result in enumerate(row):
@@ -682,10 +689,11 @@ class ToolExecutor:
 
     def _retire(self, worker: _Worker) -> None:
         worker.stop()
-        if worker in self._episode_workers:
-            self._episode_workers.remove(worker)
-        if worker in self._idle:
-            self._idle.remove(worker)
+        with self._lock:
+            if worker in self._episode_workers:
+                self._episode_workers.remove(worker)
+            if worker in self._idle:
+                self._idle.remove(worker)
 
     def _exchange(self, requests: dict[Episode, deque[bytes]], what: str
                   ) -> dict[Episode, list[tuple[str, str]]]:
@@ -735,7 +743,7 @@ class ToolExecutor:
                                 episode._end(ENVIRONMENT_DIED, json.loads(content)["error"])
                                 requests[episode].clear()
                         elif not worker.isolation:
-                            _stop_workers(self._workers, self._episode_workers)
+                            self._stop_all()
                             raise RuntimeError(
                                 f"a tool worker exited before it was ready: "
                                 f"{content or 'see its traceback on stderr'}")
@@ -744,7 +752,7 @@ class ToolExecutor:
                             self._worker_died(episode, what, requests[episode])
                     elif time.monotonic() >= worker.deadline:
                         if not worker.isolation:
-                            _stop_workers(self._workers, self._episode_workers)
+                            self._stop_all()
                             raise RuntimeError(
                                 f"a tool worker did not start within {self.start_timeout_s:g} s")
                         busy.discard(episode)
@@ -773,33 +781,28 @@ class ToolExecutor:
     def run_batch(self, calls_per_row: list[list[ToolCall]]) -> list[list[ToolResult]]:
         """Results in the same nesting and order; all valid calls of all rows run concurrently."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("this ToolExecutor is closed")
-            flat = [(call, position) for row in calls_per_row
-                    for position, call in enumerate(row)]
-            results: list[ToolResult | None] = [None] * len(flat)
-            pending: deque[tuple[int, str, bytes]] = deque()
-            for index, (call, position) in enumerate(flat):
-                error: str | None
-                if position >= self.max_calls_per_turn:
-                    error = (f"tool call {position + 1} of this turn was not run: at most "
-                             f"{self.max_calls_per_turn} tool calls per turn")
-                else:
-                    error = self.registry.validate(call)
-                if error is None and call.name is not None:  # a valid call has a name
-                    try:
-                        pending.append((index, call.name,
-                                        json.dumps([call.name, call.arguments]).encode()))
-                    except (TypeError, ValueError, RecursionError) as exc:
-                        error = f"arguments of tool {call.name!r} are not JSON values: {exc}"
-                if error is not None:
-                    results[index] = self._error(error, "invalid")
-            try:
-                if pending:
-                    self._run(pending, results)
-            except BaseException:  # e.g. Ctrl-C: replies in flight would land in the next batch
-                _stop_workers(self._workers)
-                raise
+            self._check_open()
+        flat = [(call, position) for row in calls_per_row
+                for position, call in enumerate(row)]
+        results: list[ToolResult | None] = [None] * len(flat)
+        pending: deque[tuple[int, str, bytes]] = deque()
+        for index, (call, position) in enumerate(flat):
+            error: str | None
+            if position >= self.max_calls_per_turn:
+                error = (f"tool call {position + 1} of this turn was not run: at most "
+                         f"{self.max_calls_per_turn} tool calls per turn")
+            else:
+                error = self.registry.validate(call)
+            if error is None and call.name is not None:  # a valid call has a name
+                try:
+                    pending.append((index, call.name,
+                                    json.dumps([call.name, call.arguments]).encode()))
+                except (TypeError, ValueError, RecursionError) as exc:
+                    error = f"arguments of tool {call.name!r} are not JSON values: {exc}"
+            if error is not None:
+                results[index] = self._error(error, "invalid")
+        if pending:
+            self._run(pending, results)
         rows, start = [], 0
         for row in calls_per_row:
             rows.append(_answered(results[start:start + len(row)]))
@@ -814,28 +817,93 @@ class ToolExecutor:
                        self.namespaces)
 
     def _run(self, pending: deque, results: list) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._new_worker())
-        while pending or any(worker.job for worker in self._workers):
-            for position, worker in enumerate(self._workers):
-                if worker.isolation and worker.job is None and pending:
-                    index, name, request = pending.popleft()
-                    try:
-                        worker.conn.send_bytes(request)
-                    except OSError:  # died while idle: the call never ran, so it waits for another
-                        pending.appendleft((index, name, request))
-                        worker.stop()
-                        self._workers[position] = self._new_worker()
-                        continue
-                    worker.job = (index, name)
-                    worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
-            waiting = [worker for worker in self._workers if worker.job or not worker.isolation]
-            ready = multiprocessing.connection.wait(
-                [worker.conn for worker in waiting],
-                timeout=max(min(worker.deadline for worker in waiting) - time.monotonic(), 0.0))
-            for position, worker in enumerate(self._workers):
-                if worker in waiting:
-                    self._workers[position] = self._settle(worker, worker.conn in ready, results)
+        """Run `pending` on pool workers claimed for this call, releasing each once no call is
+        left for it; a worker with a call in flight when this raises (e.g. Ctrl-C) is stopped,
+        as its reply would land in a later call."""
+        mine: list[_Worker] = []
+        try:
+            while pending or any(worker.job for worker in mine):
+                idle = sum(1 for worker in mine if worker.job is None)
+                if len(pending) > idle:
+                    mine += self._claim(len(pending) - idle, wait=not mine)
+                for position, worker in enumerate(mine):
+                    if worker.isolation and worker.job is None and pending:
+                        index, name, request = pending.popleft()
+                        try:
+                            worker.conn.send_bytes(request)
+                        except OSError:  # died while idle: the call never ran; it waits for another
+                            pending.appendleft((index, name, request))
+                            worker.stop()
+                            mine[position] = self._replace(worker)
+                            continue
+                        worker.job = (index, name)
+                        worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
+                if not pending:
+                    self._release([worker for worker in mine
+                                   if worker.job is None and worker.isolation])
+                    mine = [worker for worker in mine if worker.job or not worker.isolation]
+                waiting = [worker for worker in mine if worker.job or not worker.isolation]
+                if not waiting:
+                    continue
+                ready = multiprocessing.connection.wait(
+                    [worker.conn for worker in waiting],
+                    timeout=max(min(worker.deadline for worker in waiting) - time.monotonic(),
+                                0.0))
+                for position, worker in enumerate(mine):
+                    if worker in waiting:
+                        mine[position] = self._settle(worker, worker.conn in ready, results)
+        except BaseException:
+            busy = [worker for worker in mine if worker.job is not None]
+            for worker in busy:
+                worker.stop()
+            with self._lock:
+                for worker in busy:
+                    if worker in self._workers:
+                        self._workers.remove(worker)
+                mine = [worker for worker in mine if worker.job is None]
+                self._pool_changed.notify_all()
+            raise
+        finally:
+            self._release(mine)
+
+    def _claim(self, wanted: int, wait: bool) -> list[_Worker]:
+        """Up to `wanted` pool workers for one call (the pool is filled to `num_workers` on
+        first use); with `wait`, at least one, waiting while other calls hold them all."""
+        with self._lock:
+            while True:
+                self._check_open()
+                while len(self._workers) < self.num_workers:
+                    worker = self._new_worker()
+                    self._workers.append(worker)
+                    self._free.append(worker)
+                claimed = [self._free.pop(0) for _ in range(min(wanted, len(self._free)))]
+                if claimed or not wait:
+                    return claimed
+                self._pool_changed.wait()
+
+    def _release(self, workers: list[_Worker]) -> None:
+        with self._lock:
+            self._free.extend(worker for worker in workers if worker in self._workers)
+            self._pool_changed.notify_all()
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        """A new pool worker in the place of `worker` (stopped), claimed by the same call."""
+        with self._lock:
+            self._check_open()
+            new = self._new_worker()
+            if worker in self._workers:
+                self._workers[self._workers.index(worker)] = new
+            else:
+                self._workers.append(new)
+            return new
+
+    def _stop_all(self) -> None:
+        """A worker could not start (its tools' or environment's module does not import): none
+        will."""
+        with self._lock:
+            _stop_workers(self._workers, self._episode_workers)
+            self._free.clear()
+            self._pool_changed.notify_all()
 
     def _settle(self, worker: _Worker, readable: bool, results: list) -> _Worker:
         """Take the worker's message, or handle its death or timeout; return who takes its place."""
@@ -854,7 +922,7 @@ class ToolExecutor:
                 return worker
             exit_code = worker.stop()
             if worker.job is None:
-                _stop_workers(self._workers)
+                self._stop_all()
                 raise RuntimeError(f"a tool worker exited with code {exit_code} before it was "
                                    f"ready: {content or 'see its traceback on stderr'}")
             results[worker.job[0]] = self._error(
@@ -865,12 +933,12 @@ class ToolExecutor:
         else:
             worker.stop()
             if worker.job is None:
-                _stop_workers(self._workers)
+                self._stop_all()
                 raise RuntimeError(
                     f"a tool worker did not start within {self.start_timeout_s:g} s")
             results[worker.job[0]] = self._error(
                 f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
-        return self._new_worker()
+        return self._replace(worker)
 
     def _note_isolation(self, isolation: str) -> None:
         self.isolation = isolation

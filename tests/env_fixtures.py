@@ -26,6 +26,9 @@ class Counter:
             os.kill(os.getpid(), signal.SIGKILL)
         if name == "hang":
             time.sleep(3600)
+        if name == "nap":
+            time.sleep(arguments["seconds"])
+            return {"count": self.count}
         if name == "pid":
             return os.getpid()
         raise KeyError(name)

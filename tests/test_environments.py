@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from env_fixtures import (
     FailingPreload,
     HangingConstructor,
     Preloaded,
+    schema,
 )
 from sandbox_fixtures import SANDBOX_TOOLS
 
@@ -65,6 +67,30 @@ def test_interleaved_episodes_see_only_their_own_state(executor):
     assert contents(executor.run_episode_calls({third: [ToolCall("get", {})]})[third]) == \
         [{"count": 0}]
     executor.close_episode(third)
+
+
+def test_episodes_called_from_two_threads_run_at_once(executor):
+    """The rollout's tool lane calls from several threads: one episode's slow call does not hold
+    up another's (completion order, not a duration, is what is checked)."""
+    nap = schema("nap", seconds={"type": "number"})
+    slow, quick = executor.open_episodes([{}, {}], [[*COUNTER_TOOLS, nap]] * 2)
+    finished = []
+
+    def run(episode, call):
+        executor.run_episode_calls({episode: [call]})
+        finished.append(episode)
+
+    try:
+        napping = threading.Thread(target=run, args=(slow, ToolCall("nap", {"seconds": 1.5})))
+        napping.start()
+        time.sleep(0.3)  # the nap is under way
+        run(quick, add(1))
+        napping.join()
+        assert finished == [quick, slow]
+        assert executor.episode_state(quick) == {"count": 1, "log": [1]}
+    finally:
+        executor.close_episode(slow)
+        executor.close_episode(quick)
 
 
 def test_a_worker_killed_mid_episode_ends_only_that_episode(executor):

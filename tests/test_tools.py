@@ -336,6 +336,24 @@ def test_runs_from_threads(executor):
         assert slow.status == "failed" and "timed out" in _error(slow)
 
 
+def test_a_slow_call_from_one_thread_does_not_hold_up_another(executor):
+    """Threads' batches run at once, each on the pool workers it claims (completion order, not
+    a duration, is what is checked)."""
+    finished = []
+
+    def run(name, call):
+        (result,), = executor.run_batch([[call]])
+        assert result.status == "ok", result
+        finished.append(name)
+
+    sleeping = threading.Thread(target=run, args=("slow", _call("sleep", seconds=1.0)))
+    sleeping.start()
+    time.sleep(0.3)  # the sleep is under way on one of the two workers
+    run("quick", _call("calculator", expression="1 + 1"))
+    sleeping.join()
+    assert finished == ["quick", "slow"]
+
+
 def test_close_stops_the_workers():
     pool = ToolExecutor(_registry(), timeout_s=TIMEOUT_S, num_workers=2)
     pool.run_batch([[_call("pid")] * 6])

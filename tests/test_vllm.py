@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,13 +151,13 @@ def test_conversations_move_on_while_others_run_tools(caller, engine, compact_to
     cfg = RolloutConfig(max_turns=3, max_new_tokens=40, max_total_len=700, batch_size=16)
     prompts = sampled_prompts(tools, 16)
     runs = {}
-    for overlap in (True, False):
+    for schedule in ("conversation", "rounds"):
         slow = _SlowTools(executor, engine, delay_s=0.3)
         monkeypatch.setattr(engine, "step", slow.recorded_step)
-        runs[overlap] = rollout(None, chat, slow, prompts, cfg, seed=5, engine=engine,
-                                overlap=overlap), slow.events
+        runs[schedule] = rollout(None, chat, slow, prompts, replace(cfg, vllm_schedule=schedule),
+                                 seed=5, engine=engine), slow.events
         monkeypatch.undo()
-    (overlapped, events), (rounds, round_events) = runs[True], runs[False]
+    (overlapped, events), (rounds, round_events) = runs["conversation"], runs["rounds"]
     assert any(kind == "observation" for t in rounds for _, _, kind in t.spans)
     assert _turns_during_tools(events) > 0
     assert _turns_during_tools(round_events) == 0
