@@ -4,6 +4,12 @@
                             [--out runs/quality] [section.key=value ...]
     python bench/quality.py --report-only [--out runs/quality]
 
+The harder world (three_hop tasks too, four assistant turns) is the same recipe with its
+prepare step and turn limit overridden:
+
+    python bench/quality.py --out runs/quality_hard \
+        prepare=worlds.toolcalc.prepare:prepare_hard rollout.max_turns=4
+
 Every method starts from the recipe's warm student and runs the recipe's trainer
 (`launch/train.py`, one process) for the same number of optimizer steps with the same prompts
 (or conversations) per step; only the loss and where a step's conversations come from differ:
@@ -150,8 +156,12 @@ def write_validation_split(config, out: Path, count: int) -> Path:
                          for data in (config.data.eval, config.data.prompts,
                                       config.data.completions)
                          for record in load_jsonl(data))
-        write_jsonl(path, [task_record(task)
-                           for task in generate_tasks(count, VALIDATION_SEED, exclude=seen)])
+        # The prepared world's families (the harder world adds three_hop).
+        world = json.loads((Path(config.model.student).parent / "prepare.json").read_text())
+        families = {"families": tuple(world["config"]["families"]),
+                    "weights": tuple(world["config"]["family_weights"])}
+        write_jsonl(path, [task_record(task) for task in
+                           generate_tasks(count, VALIDATION_SEED, exclude=seen, **families)])
     return path
 
 

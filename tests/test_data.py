@@ -11,7 +11,13 @@ from scripted_model import ScriptedPolicy
 from opd.chat import ChatFormat
 from opd.data import DatasetError, completion_trajectory, load_jsonl, prompt_record, write_jsonl
 from opd.rollout import RolloutConfig, rollout
-from worlds.toolcalc.tasks import answer_text, generate_tasks, oracle_record
+from worlds.toolcalc.tasks import (
+    HARD_FAMILIES,
+    HARD_FAMILY_WEIGHTS,
+    answer_text,
+    generate_tasks,
+    oracle_record,
+)
 from worlds.toolcalc.tokenizer import load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry
 
@@ -136,9 +142,12 @@ def test_completion_equals_the_rollout_of_a_student_writing_the_same_turns(
         prefix = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     tasks = [next(t for t in generate_tasks(60, 5) if t.family == family)
              for family in ("arithmetic", "two_hop", "direct", "conversion")]
+    tasks.append(next(t for t in generate_tasks(20, 5, families=HARD_FAMILIES,
+                                                weights=HARD_FAMILY_WEIGHTS)
+                      if t.family == "three_hop"))
     records = [oracle_record(task) for task in tasks]
     policy = scripted_policy(chat.tokenizer, tasks, prefix)
-    cfg = RolloutConfig(max_turns=3, max_new_tokens=64, max_total_len=1024, batch_size=4)
+    cfg = RolloutConfig(max_turns=4, max_new_tokens=64, max_total_len=1024, batch_size=5)
     rolled = rollout(policy, chat, executor, [prompt_record(r) for r in records], cfg)
     for record, trajectory in zip(records, rolled):
         completion = completion_trajectory(chat, record["messages"], record["tools"])

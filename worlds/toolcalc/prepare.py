@@ -48,7 +48,16 @@ from worlds.toolcalc.models import (
     save_model,
 )
 from worlds.toolcalc.sft import sft
-from worlds.toolcalc.tasks import check_answer, generate_tasks, oracle_record, task_record
+from worlds.toolcalc.tasks import (
+    FAMILIES,
+    FAMILY_WEIGHTS,
+    HARD_FAMILIES,
+    HARD_FAMILY_WEIGHTS,
+    check_answer,
+    generate_tasks,
+    oracle_record,
+    task_record,
+)
 from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry
 
@@ -78,6 +87,10 @@ class PrepareConfig:
     student_lr: float = 5e-3
     warmup_steps: int = 50
     target_success: float = 0.9
+    # The task families and their weights (worlds.toolcalc.tasks), and the eval's turn limit.
+    families: tuple[str, ...] = FAMILIES
+    family_weights: tuple[float, ...] = FAMILY_WEIGHTS
+    max_turns: int = 3
     eval_max_new_tokens: int = 64
     eval_batch_size: int = 100
     # One thread: on an idle 2-core machine two are ~1.4x faster, but on a shared one they
@@ -85,6 +98,9 @@ class PrepareConfig:
     threads: int = 1
 
 
+# The harder world: three_hop tasks too (four assistant turns; run it with rollout.max_turns=4).
+HARD_CONFIG = PrepareConfig(families=HARD_FAMILIES, family_weights=HARD_FAMILY_WEIGHTS,
+                            max_turns=4)
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -163,6 +179,13 @@ def prepare(cfg: PrepareConfig = PrepareConfig(), root: str | Path | None = None
     return prepared
 
 
+def prepare_hard(root: str | Path | None = None, *, force: bool = False,
+                 build: bool = True) -> Prepared | None:
+    """The harder world (HARD_CONFIG) as a recipe's prepare step: the default recipe with
+    `prepare=worlds.toolcalc.prepare:prepare_hard rollout.max_turns=4`."""
+    return prepare(HARD_CONFIG, root, force=force, build=build)
+
+
 def _build(cfg: PrepareConfig, out: Prepared) -> None:
 
     threads = torch.get_num_threads()
@@ -179,10 +202,11 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     started = time.perf_counter()
     shutil.copytree(TOKENIZER_DIR, out.tokenizer)
     tokenizer = load_tokenizer(out.tokenizer)
-    heldout = generate_tasks(cfg.heldout_tasks, cfg.seed + 1)
+    families = {"families": cfg.families, "weights": cfg.family_weights}
+    heldout = generate_tasks(cfg.heldout_tasks, cfg.seed + 1, **families)
     held_questions = frozenset(task.question for task in heldout)
-    train = generate_tasks(cfg.train_tasks, cfg.seed + 2, exclude=held_questions)
-    prompts = generate_tasks(cfg.prompt_tasks, cfg.seed + 3, exclude=held_questions)
+    train = generate_tasks(cfg.train_tasks, cfg.seed + 2, exclude=held_questions, **families)
+    prompts = generate_tasks(cfg.prompt_tasks, cfg.seed + 3, exclude=held_questions, **families)
     out.train_data.parent.mkdir(parents=True)
     write_jsonl(out.train_data, [oracle_record(task) for task in train])
     write_jsonl(out.heldout_data, [task_record(task) for task in heldout])
@@ -245,7 +269,8 @@ class _Evaluator:
     def __init__(self, tokenizer, records: list[dict], cfg: PrepareConfig):
 
         self.tokenizer, self.records = tokenizer, records
-        self.greedy = greedy(RolloutConfig(max_new_tokens=cfg.eval_max_new_tokens,
+        self.greedy = greedy(RolloutConfig(max_turns=cfg.max_turns,
+                                           max_new_tokens=cfg.eval_max_new_tokens,
                                            max_total_len=512, batch_size=cfg.eval_batch_size))
         self.sampled = replace(self.greedy, top_k=0)
         self.executor = ToolExecutor(toolcalc_registry())
@@ -268,12 +293,14 @@ class _Evaluator:
 def main(argv: list[str] | None = None) -> Prepared:
     parser = argparse.ArgumentParser(description="Prepare the toolcalc world (cached).")
     parser.add_argument("--test", action="store_true", help="tiny models and steps (seconds)")
+    parser.add_argument("--hard", action="store_true",
+                        help="the harder world (three_hop tasks too)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--threads", type=int, help="torch threads (default 1; part of the key)")
     parser.add_argument("--cache-dir", help="cache root (default $OPD_CACHE_DIR or "
                                             "~/.cache/opd-recipes)")
     args = parser.parse_args(argv)
-    cfg = TEST_CONFIG if args.test else PrepareConfig()
+    cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else PrepareConfig()
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)

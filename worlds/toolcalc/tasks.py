@@ -2,9 +2,11 @@
 
 Five families: `arithmetic` (calculator), `conversion` (convert_units), `lookup` (the fixed
 table of invented places), `two_hop` (a lookup whose result feeds a calculator or a conversion)
-and `direct` (echo a code back: answered without any tool). Every task is written out in the JSONL form
-users bring for real data (OpenAI-style `messages` + `tools`, the gold in `answer`), so a user
-swaps in their own file unchanged.
+and `direct` (echo a code back: answered without any tool). The harder world
+(`worlds.toolcalc.prepare:prepare_hard`) adds `three_hop`: two lookups whose results feed a
+calculator, four assistant turns, where a wrong first step compounds. Every task is written out
+in the JSONL form users bring for real data (OpenAI-style `messages` + `tools`, the gold in
+`answer`), so a user swaps in their own file unchanged.
 
 The oracle calls the toy tools in-process, so its tool turns hold exactly the JSON the sandboxed
 executor would return, and gold answers are those tools' (rounded) results.
@@ -28,6 +30,8 @@ from worlds.toolcalc.tools import (
 
 FAMILIES = ("arithmetic", "conversion", "lookup", "two_hop", "direct")
 FAMILY_WEIGHTS = (0.2, 0.2, 0.2, 0.25, 0.15)
+HARD_FAMILIES = (*FAMILIES, "three_hop")
+HARD_FAMILY_WEIGHTS = (0.15, 0.15, 0.15, 0.2, 0.1, 0.25)
 ENTITIES = tuple(LOOKUP_TABLE)
 
 # Unit pairs within a factor of 1000, so results stay short enough to copy.
@@ -124,22 +128,38 @@ def _two_hop(rng: random.Random) -> Task:
     return Task("two_hop", question, (first, second), result)
 
 
+def _three_hop(rng: random.Random) -> Task:
+    first, second = rng.sample(ENTITIES, 2)
+    attribute, question = rng.choice((
+        ("founded_year", f"How many years apart were {first} and {second} founded?"),
+        ("population", f"What is the combined population of {first} and {second}?"),
+        ("height_m", f"How many meters taller is the taller of {first} and {second}?")))
+    first_step, a = _call("lookup", entity=first, attribute=attribute)
+    second_step, b = _call("lookup", entity=second, attribute=attribute)
+    expression = f"{a} + {b}" if attribute == "population" else f"{max(a, b)} - {min(a, b)}"
+    third_step, result = _call("calculator", expression=expression)
+    return Task("three_hop", question, (first_step, second_step, third_step), result)
+
+
 def _direct(rng: random.Random) -> Task:
     code = f"{rng.randint(10, 99)}-{rng.randint(100, 999)}"
     return Task("direct", rng.choice(_ECHO_QUESTIONS).format(code), (), code)
 
 
 _GENERATORS = {"arithmetic": _arithmetic, "conversion": _conversion, "lookup": _lookup,
-               "two_hop": _two_hop, "direct": _direct}
+               "two_hop": _two_hop, "direct": _direct, "three_hop": _three_hop}
 
 
-def generate_tasks(count: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[Task]:
-    """`count` distinct tasks, the same for the same arguments; questions in `exclude` are
-    skipped (a held-out set is excluded from training this way)."""
+def generate_tasks(count: int, seed: int, exclude: frozenset[str] = frozenset(),
+                   families: tuple[str, ...] = FAMILIES,
+                   weights: tuple[float, ...] = FAMILY_WEIGHTS) -> list[Task]:
+    """`count` distinct tasks of `families` (drawn by `weights`), the same for the same
+    arguments; questions in `exclude` are skipped (a held-out set is excluded from training this
+    way)."""
     rng = random.Random(seed)
     tasks, seen = [], set(exclude)
     while len(tasks) < count:
-        family = rng.choices(FAMILIES, weights=FAMILY_WEIGHTS)[0]
+        family = rng.choices(families, weights=weights)[0]
         task = _GENERATORS[family](rng)
         if task.question not in seen:
             seen.add(task.question)
