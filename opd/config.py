@@ -91,8 +91,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = within(0, 1, 0.3, open_low=True)
     # vLLM only, same trajectories either way. conversation: a conversation's next turn starts
     # as soon as its tools return, tools run while the engine generates; rounds: every turn of
-    # a round, then every tool call, then the next round (fewer, larger engine batches and tool
-    # batches: faster on CPU and with uniform tool latencies, see BENCHMARKS.md).
+    # a round, then every tool call, then the next round (the reference; on CPU the two are
+    # within noise unless tools are slow, see BENCHMARKS.md).
     vllm_schedule: Literal["conversation", "rounds"] = "conversation"
 
     def validate(self) -> None:

@@ -358,7 +358,7 @@ class _BatchRollout:
                                                 or self.waiting_calls)):
             for row in self.ready:
                 self._begin_turn(row)
-                request = TurnRequest(list(row.trajectory.input_ids), row.budget,
+                request = TurnRequest(row.trajectory.input_ids, row.budget,
                                       request_seed(self.seed, row.prompt_index,
                                                    row.trajectory.turns))
                 self.in_flight[engine.submit(request, self.sampling)] = row

@@ -33,7 +33,7 @@ CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
 @dataclass(frozen=True)
 class TurnRequest:
-    context: list[int]  # the conversation so far
+    context: Sequence[int]  # the conversation so far (copied when submitted)
     max_tokens: int  # the turn's budget
     seed: int
 
