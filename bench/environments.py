@@ -27,7 +27,9 @@ import multiprocessing
 import time
 
 from opd.data import tools_at_turn
-from opd.tools import ToolCall, ToolExecutor, ToolRegistry
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import ToolRegistry
+from opd.tools import ToolExecutor
 from worlds.bfcl.convert import convert
 from worlds.bfcl.environment import BFCLEnvironment
 

@@ -19,7 +19,8 @@ import torch
 
 from opd.chat import ChatFormat
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor, parse_hermes_tool_calls
+from opd.tool_calls import parse_hermes_tool_calls
+from opd.tools import ToolExecutor
 from worlds.toolcalc.tools import TOOL_FUNCTIONS
 from worlds.toolcalc.tools import registry as toolcalc_registry
 

@@ -13,7 +13,9 @@ import argparse
 import json
 import time
 
-from opd.tools import Tool, ToolCall, ToolExecutor, ToolRegistry
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import Tool, ToolRegistry
+from opd.tools import ToolExecutor
 from tests.env_fixtures import COUNTER_TOOLS, Counter
 from tests.tool_fixtures import echo
 

@@ -15,8 +15,8 @@ def _delayed(fn, latency_s: float, **arguments):
 
 
 def with_latency(registry, latency_s: float):
-    """`registry` (an opd.tools.ToolRegistry) with every tool `latency_s` slower."""
-    from opd.tools import Tool, ToolRegistry
+    """`registry` (an opd.tool_schemas.ToolRegistry) with every tool `latency_s` slower."""
+    from opd.tool_schemas import Tool, ToolRegistry
 
     return ToolRegistry([Tool(tool.schema, functools.partial(_delayed, tool.fn, latency_s))
                          for tool in registry.tools])

@@ -172,7 +172,7 @@ _DEFAULT_EXECUTOR = None
 
 def as_tool_calls(calls: Iterable) -> list:
     """Seed-style call dicts ({"name", "arguments"}) to `ToolCall`s; ToolCalls pass through."""
-    from opd.tools import ToolCall
+    from opd.tool_calls import ToolCall
     converted = []
     for call in calls:
         if isinstance(call, ToolCall):

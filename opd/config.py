@@ -106,7 +106,7 @@ class RolloutConfig:
 
 @dataclass
 class ToolsConfig:
-    registry: str = ""  # module:function returning an opd.tools.ToolRegistry; empty: no tools
+    registry: str = ""  # module:function -> opd.tool_schemas.ToolRegistry; empty: no tools
     # module:Class of a stateful environment (opd.environments), one per conversation, built
     # from the record's "environment"; empty: the stateless tools of `registry`.
     environment: str = ""

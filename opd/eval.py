@@ -45,7 +45,8 @@ from opd.errors import ConfigError, MissingFileError, OPDError
 from opd.inputs import chat_format, load_prompts
 from opd.plugins import Plugins, prepared, resolve_plugins
 from opd.rollout import rollout
-from opd.tools import ENVIRONMENT_START_FAILED, ToolExecutor, ToolRegistry
+from opd.tool_schemas import ToolRegistry
+from opd.tools import ENVIRONMENT_START_FAILED, ToolExecutor
 
 GROUP_KEY = "family"
 SAMPLES_KEPT = 10

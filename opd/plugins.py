@@ -2,7 +2,7 @@
 
 A recipe names its world through these keys; the library names none:
 - `prepare`          `prepare(build: bool = True)` -> the directory "{prepared}" stands for
-- `tools.registry`   `registry()` -> `opd.tools.ToolRegistry`
+- `tools.registry`   `registry()` -> `opd.tool_schemas.ToolRegistry`
 - `tools.environment` a class `Env(config)` with `call(name, arguments)`, `state()` and an
                      optional `close()` (opd.environments); exclusive with `tools.registry`
 - `tools.parser`     a registered parser name (`hermes`) or `module:function(text) -> [ToolCall]`
@@ -51,7 +51,7 @@ class Plugins:
     """What a run's plugin keys name, resolved; None where the recipe names none."""
 
     prepare: Callable | None
-    tool_registry: Any  # opd.tools.ToolRegistry
+    tool_registry: Any  # opd.tool_schemas.ToolRegistry
     parser: Callable
     checker: Callable | None
     environment: type | None = None  # a stateful environment class (opd.environments)
@@ -68,14 +68,16 @@ class Plugins:
 def resolve_plugins(config) -> Plugins:
     """Every plugin of `config`, resolved and called where cheap (the tool registry), so that a
     bad name stops the run in one sentence before any engine starts."""
-    from opd.tools import ToolRegistry, get_parser
+    from opd.tool_calls import get_parser
+    from opd.tool_schemas import ToolRegistry
 
     tool_registry = ToolRegistry([])
     if config.tools.registry:
         tool_registry = resolve_callable(config.tools.registry, "tools.registry")()
         if not isinstance(tool_registry, ToolRegistry):
             raise ConfigError(f"tools.registry {config.tools.registry!r} returned a "
-                              f"{type(tool_registry).__name__}, not an opd.tools.ToolRegistry.")
+                              f"{type(tool_registry).__name__}, not an "
+                              "opd.tool_schemas.ToolRegistry.")
     environment = None
     if config.tools.environment:
         from opd.environments import check_environment

@@ -52,7 +52,8 @@ import torch
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns
-from opd.tools import Episode, ToolCallCounts, ToolResult, parse_hermes_tool_calls
+from opd.tool_calls import parse_hermes_tool_calls
+from opd.tools import Episode, ToolCallCounts, ToolResult
 from opd.vllm_engine import TurnRequest, TurnSampling, request_seed
 
 if TYPE_CHECKING:

@@ -1,10 +1,10 @@
-"""Student tool calls: parse them, validate them against their schema, run them in a sandbox.
+"""The sandboxed executor: runs the student's tool calls (opd.tool_calls, opd.tool_schemas).
 
 A tool call must never cost the rank. A call that does not parse, does not match its tool's
-schema, nests deeper than MAX_ARGUMENT_DEPTH or is over the turn's `max_calls_per_turn` is
-"invalid"; a call that hangs, raises, kills its process, prints without end, allocates
-wildly or returns something JSON cannot hold is "failed". Either way the student sees one
-`{"error": "..."}` observation. Every result content is a JSON text of at most
+schema, nests deeper than MAX_ARGUMENT_DEPTH (opd.tool_schemas) or is over the turn's
+`max_calls_per_turn` is "invalid"; a call that hangs, raises, kills its process, prints without
+end, allocates wildly or returns something JSON cannot hold is "failed". Either way the student
+sees one `{"error": "..."}` observation. Every result content is a JSON text of at most
 `max_result_chars` characters: an over-long result becomes `{"truncated": "<prefix of its JSON>"}`
 (the seed cut the JSON text mid-token instead). How a call is sandboxed, and what a tool can
 still do, is told in opd.tool_worker.
@@ -22,7 +22,6 @@ import multiprocessing.connection
 import os
 import pickle
 import pwd
-import re
 import shutil
 import signal
 import socket
@@ -34,295 +33,17 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from opd import tool_worker
-from opd.errors import ConfigError
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import ToolRegistry, validate_call
 
 # Bounds the executor enforces; the config's `tools.*` rules use the same numbers.
 MIN_RESULT_CHARS = 64  # an {"error": ...} observation must fit
 MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
-
-
-@dataclass
-class ToolCall:
-    """One call parsed from the student's text; `error` is set when it is malformed."""
-    name: str | None
-    arguments: dict | None
-    error: str | None = None
-    raw: str = ""
-
-
-ToolCallParser = Callable[[str], list[ToolCall]]
-
-# Same shape as vLLM's Hermes parser: a final <tool_call> without its closing tag still counts,
-# because a student that stops right after the JSON meant the call.
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_THINK_TAG = re.compile(r"<think>|</think>")
-
-
-def _outside_think(text: str) -> str:
-    """`text` without its reasoning: `<think>...</think>` blocks, and everything after a `<think>`
-    that is never closed. A `</think>` with no opening tag ends reasoning that the prompt opened
-    (templates that end the generation prompt with `<think>`), so all before it is dropped too."""
-    kept, start, thinking = [], 0, False
-    for tag in _THINK_TAG.finditer(text):
-        if tag.group() == "<think>" and not thinking:
-            kept.append(text[start:tag.start()])
-            thinking = True
-        elif tag.group() == "</think>":
-            if not thinking:
-                kept = []
-            thinking = False
-            start = tag.end()
-    if not thinking:
-        kept.append(text[start:])
-    return "".join(kept)
-
-
-def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in `text`, in order.
-
-    Calls are read only outside `<think>` reasoning: a thought that mentions `<tool_call>` is not a
-    call, and must not swallow the real call after it. Arguments may be an object or a JSON string
-    holding one, and default to {} when absent (as in the seed). A malformed call comes back with
-    `error` set; nothing raises.
-    """
-    calls = []
-    for match in _HERMES_CALL.finditer(_outside_think(text)):
-        closed = match.group(1) is not None
-        call = _parse_call_json(match.group(1) if closed else match.group(2), match.group(0))
-        if call.error and not closed:
-            call.error += " (the <tool_call> is not closed)"
-        calls.append(call)
-    return calls
-
-
-def _reject_constant(constant: str):
-    raise ValueError(f"{constant} is not a JSON number")
-
-
-def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def _parse_call_json(body: str, raw: str) -> ToolCall:
-    try:
-        payload = _loads(body)
-    except (ValueError, RecursionError) as exc:
-        return ToolCall(None, None, f"tool call is not valid JSON: {exc}", raw)
-    if not isinstance(payload, dict):
-        return ToolCall(None, None, 'tool call must be a JSON object with "name" and '
-                                    f'"arguments", got {_json_type(payload)}', raw)
-    name = payload.get("name")
-    if not isinstance(name, str) or not name:
-        return ToolCall(None, None, 'tool call has no "name" string', raw)
-    arguments = payload.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = _loads(arguments)
-        except (ValueError, RecursionError) as exc:
-            return ToolCall(name, None, f"arguments of tool {name!r} are a string that is not "
-                                        f"valid JSON: {exc}", raw)
-    if not isinstance(arguments, dict):
-        return ToolCall(name, None, f"arguments of tool {name!r} must be a JSON object, "
-                                    f"got {_json_type(arguments)}", raw)
-    return ToolCall(name, arguments, None, raw)
-
-
-_PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes_tool_calls}
-
-
-def register_parser(name: str, parser: ToolCallParser) -> None:
-    if name in _PARSERS and _PARSERS[name] is not parser:
-        raise ValueError(f"a tool-call parser named {name!r} is already registered")
-    _PARSERS[name] = parser
-
-
-def get_parser(name: str) -> ToolCallParser:
-    if name not in _PARSERS:
-        raise ConfigError(f"tools.parser {name!r} is not a registered tool-call parser (registered: "
-                          f"{', '.join(_PARSERS)}) nor a module:function.")
-    return _PARSERS[name]
-
-
-@dataclass(frozen=True)
-class Tool:
-    """An OpenAI-style function schema and the module-level function it calls as fn(**arguments)."""
-    schema: dict
-    fn: Callable[..., Any]
-
-    @property
-    def name(self) -> str:
-        return self.schema["function"]["name"]
-
-
-# Deeper values would exhaust the recursion limit while validated, encoded or decoded; the
-# parser's own limit (Python's recursion limit) depends on the caller's stack.
-MAX_ARGUMENT_DEPTH = 128
-
-
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than `limit` (the arguments object is level 1);
-    iterative, as the value may be too deep for recursion."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list, tuple)):
-            if depth > limit:
-                return True
-            stack.extend((child, depth + 1)
-                         for child in (item.values() if isinstance(item, dict) else item))
-    return False
-
-
-_JSON_TYPES = {"string", "number", "integer", "boolean", "array", "object", "null"}
-
-
-class ToolRegistry:
-    """Tools by name, and argument validation against a JSON-schema subset: type (one or a list),
-    enum, properties, required, additionalProperties (default false: extra keys would reach
-    fn(**arguments)), items. Other keywords (minimum, pattern, ...) are not checked."""
-
-    def __init__(self, tools: Sequence[Tool]):
-        self.tools = tuple(tools)
-        self._by_name: dict[str, Tool] = {}
-        for tool in self.tools:
-            _check_tool(tool)
-            if tool.name in self._by_name:
-                raise ValueError(f"two tools are named {tool.name!r}")
-            self._by_name[tool.name] = tool
-        self.schemas: list[dict] = [tool.schema for tool in self.tools]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._by_name
-
-    def validate(self, call: ToolCall) -> str | None:
-        """The sentence the student sees for an invalid call, or None when the call is valid."""
-        return validate_call(call, {name: tool.schema for name, tool in self._by_name.items()})
-
-
-def validate_call(call: ToolCall, schemas: dict[str, dict]) -> str | None:
-    """The sentence the student sees when `call` does not match its tool among `schemas` (OpenAI
-    function schemas by name), or None when it is valid."""
-    if call.error is not None:
-        return call.error
-    schema = schemas.get(call.name) if call.name is not None else None
-    if call.name is None or schema is None:
-        return f"unknown tool {call.name!r}; available tools: {', '.join(schemas)}"
-    if not isinstance(call.arguments, dict):
-        return (f"arguments of tool {call.name!r} must be a JSON object, "
-                f"got {_json_type(call.arguments)}")
-    if _too_deep(call.arguments, MAX_ARGUMENT_DEPTH):
-        return (f"arguments of tool {call.name!r} are nested deeper than "
-                f"{MAX_ARGUMENT_DEPTH} levels")
-    parameters = {"properties": {}, **schema["function"].get("parameters", {})}
-    try:
-        return _schema_error(call.arguments, parameters, call.name, ())
-    except (AttributeError, KeyError, TypeError, ValueError):  # a record's own malformed schema
-        return f"the schema of tool {call.name!r} cannot be checked; the call was not run"
-
-
-def _check_tool(tool: Tool) -> None:
-    schema = tool.schema if isinstance(tool.schema, dict) else {}
-    function = schema.get("function")
-    if schema.get("type") != "function" or not isinstance(function, dict) \
-            or not isinstance(function.get("name"), str):
-        raise ValueError(f'a tool schema must look like {{"type": "function", "function": '
-                         f'{{"name": ..., "parameters": {{...}}}}}}, got {tool.schema!r}')
-    parameters = function.get("parameters", {"type": "object"})
-    if not isinstance(parameters, dict) or parameters.get("type") != "object":
-        raise ValueError(f"parameters of tool {tool.name!r} must have type 'object'")
-    _check_schema_types(parameters, tool.name)
-    if not callable(tool.fn):
-        raise ValueError(f"the function of tool {tool.name!r} is not callable: {tool.fn!r}")
-    try:
-        pickle.dumps(tool.fn)
-        importable = getattr(tool.fn, "__module__", None) != "__main__"
-    except Exception:
-        importable = False
-    if not importable:
-        raise ValueError(f"the function of tool {tool.name!r} ({tool.fn!r}) cannot be sent to a "
-                         "worker process: define it at module level in an importable module, "
-                         "not in the main script")
-
-
-def _check_schema_types(schema: dict, tool_name: str) -> None:
-    types = schema.get("type", [])
-    for type_name in [types] if isinstance(types, str) else types:
-        if type_name not in _JSON_TYPES:
-            raise ValueError(f"tool {tool_name!r} uses unsupported schema type {type_name!r}; "
-                             f"use one of {', '.join(sorted(_JSON_TYPES))}")
-    children = list(schema.get("properties", {}).values())
-    for key in ("items", "additionalProperties"):
-        if isinstance(schema.get(key), dict):
-            children.append(schema[key])
-    for child in children:
-        _check_schema_types(child, tool_name)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    names: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _is_type(value: Any, type_name: str) -> bool:
-    if type_name == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or \
-            (isinstance(value, float) and value.is_integer())
-    if type_name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    python_types = {"string": str, "boolean": bool, "array": list, "object": dict,
-                    "null": type(None)}
-    return isinstance(value, python_types[type_name])
-
-
-def _same_json_value(a: Any, b: Any) -> bool:
-    return a == b and isinstance(a, bool) == isinstance(b, bool)
-
-
-def _schema_error(value: Any, schema: dict, tool: str, path: tuple) -> str | None:
-    where = f"tool {tool!r}: argument {''.join(path).lstrip('.')!r}" if path else f"tool {tool!r}"
-    types = schema.get("type")
-    if types is not None:
-        allowed = [types] if isinstance(types, str) else types
-        if not any(_is_type(value, type_name) for type_name in allowed):
-            shown = json.dumps(value, ensure_ascii=False)[:60]
-            return (f"{where} must be of type {' or '.join(allowed)}, "
-                    f"got {_json_type(value)} ({shown})")
-    if "enum" in schema and not any(_same_json_value(value, option) for option in schema["enum"]):
-        options = ", ".join(json.dumps(option, ensure_ascii=False) for option in schema["enum"])
-        return f"{where} must be one of {options}, got {json.dumps(value, ensure_ascii=False)[:60]}"
-    if isinstance(value, dict) and "properties" in schema:
-        properties = schema["properties"]
-        for key in schema.get("required", []):
-            if key not in value:
-                missing = "".join(path + ("." + key,)).lstrip(".")
-                return f"{where} is missing required argument {missing!r}"
-        extra = schema.get("additionalProperties", False)
-        for key, item in value.items():
-            child = properties.get(key, extra if isinstance(extra, dict) else None)
-            if child is not None:
-                error = _schema_error(item, child, tool, path + ("." + key,))
-                if error:
-                    return error
-            elif extra is not True:
-                return (f"{where} got unexpected argument {key!r}; "
-                        f"it takes: {', '.join(properties)}")
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for index, item in enumerate(value):
-            error = _schema_error(item, schema["items"], tool, path + (f"[{index}]",))
-            if error:
-                return error
-    return None
 
 
 @dataclass

@@ -22,7 +22,8 @@ from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
     multi_turn_checker,
 )
 
-from opd.tools import Tool, ToolCall, ToolRegistry
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import Tool, ToolRegistry
 from worlds.bfcl.checker import calls_from_messages, check, score
 from worlds.bfcl.convert import CATEGORIES, MULTI_TURN_CLASSES, call_string, convert, split_of
 from worlds.bfcl.environment import (

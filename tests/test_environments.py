@@ -25,14 +25,9 @@ from opd.config import load_config
 from opd.errors import ConfigError
 from opd.eval import EpisodeOutcome, call_checker
 from opd.plugins import resolve_plugins
-from opd.tools import (
-    ENVIRONMENT_DIED,
-    ENVIRONMENT_START_FAILED,
-    Tool,
-    ToolCall,
-    ToolExecutor,
-    ToolRegistry,
-)
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import Tool, ToolRegistry
+from opd.tools import ENVIRONMENT_DIED, ENVIRONMENT_START_FAILED, ToolExecutor
 
 
 @pytest.fixture(scope="module")

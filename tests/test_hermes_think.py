@@ -1,6 +1,6 @@
 """The Hermes parser reads tool calls only outside `<think>` reasoning (Qwen3 thinking mode)."""
 
-from opd.tools import parse_hermes_tool_calls
+from opd.tool_calls import parse_hermes_tool_calls
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
 

@@ -14,7 +14,8 @@ from opd.data import completion_trajectory, prompt_record, user_turns
 from opd.errors import OPDError
 from opd.eval import evaluate
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import ToolExecutor, ToolRegistry
+from opd.tool_schemas import ToolRegistry
+from opd.tools import ToolExecutor
 
 
 def call(name: str, **arguments) -> str:

@@ -18,7 +18,7 @@ from opd.chat import ChatFormat
 from opd.eval import evaluate, greedy
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, rollout
-from opd.tools import parse_hermes_tool_calls
+from opd.tool_calls import parse_hermes_tool_calls
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 ASSISTANT = "<|im_start|>assistant\n"

@@ -9,7 +9,7 @@ from scripted_model import ScriptedPolicy
 from opd.chat import ChatFormat, tool_observation
 from opd.packing import pack_varlen
 from opd.rollout import RolloutConfig, collect_trajectory, rollout
-from opd.tools import parse_hermes_tool_calls
+from opd.tool_calls import parse_hermes_tool_calls
 from worlds.toolcalc.tools import registry as toolcalc_registry
 
 TEMPLATE_KWARGS = {"enable_thinking": False}

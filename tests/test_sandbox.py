@@ -16,15 +16,9 @@ import pytest
 import sandbox_fixtures
 import tool_fixtures
 
-from opd.tools import (
-    MAX_ARGUMENT_DEPTH,
-    Tool,
-    ToolCall,
-    ToolCallCounts,
-    ToolExecutor,
-    ToolRegistry,
-    parse_hermes_tool_calls,
-)
+from opd.tool_calls import ToolCall, parse_hermes_tool_calls
+from opd.tool_schemas import MAX_ARGUMENT_DEPTH, Tool, ToolRegistry
+from opd.tools import ToolCallCounts, ToolExecutor
 
 TIMEOUT_S = 3.0
 WAIT_S = 60.0  # generous: the machine may be loaded; only a broken sandbox waits this long
@@ -87,7 +81,8 @@ def test_close_and_trainer_death_end_every_worker_process(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(f"""
         import test_sandbox
-        from opd.tools import ToolCall, ToolExecutor
+        from opd.tool_calls import ToolCall
+        from opd.tools import ToolExecutor
         pool = ToolExecutor(test_sandbox._registry(), timeout_s=3600, num_workers=1)
         pool.run_batch([[ToolCall("spawn", {{"token": {token!r}, "wait": True}})]])
     """))

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from opd.data import load_jsonl
-from opd.tools import ToolCall, ToolExecutor, parse_hermes_tool_calls
+from opd.tool_calls import ToolCall, parse_hermes_tool_calls
+from opd.tools import ToolExecutor
 from worlds.toolcalc.tasks import (
     FAMILIES,
     answer_text,

@@ -13,17 +13,9 @@ from pathlib import Path
 import pytest
 import tool_fixtures
 
-from opd.tools import (
-    Tool,
-    ToolCall,
-    ToolCallCounts,
-    ToolExecutor,
-    ToolRegistry,
-    ToolResult,
-    get_parser,
-    parse_hermes_tool_calls,
-    register_parser,
-)
+from opd.tool_calls import ToolCall, get_parser, parse_hermes_tool_calls, register_parser
+from opd.tool_schemas import Tool, ToolRegistry
+from opd.tools import ToolCallCounts, ToolExecutor, ToolResult
 from worlds.toolcalc.tools import (
     LOOKUP_ATTRIBUTES,
     LOOKUP_TABLE,

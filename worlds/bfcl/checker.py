@@ -33,7 +33,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from opd.tools import Tool, ToolCall, ToolRegistry
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import Tool, ToolRegistry
 from worlds.bfcl.convert import bfcl, call_string, task_schemas
 
 _RUNS = itertools.count()
@@ -129,7 +130,7 @@ def check(final_text: str, record: dict, episode=None,
 def calls_from_messages(messages: Sequence[dict], parser=None) -> list[list[list[dict]]]:
     """calls_by_turn from an OpenAI-style conversation: each assistant message is a step of the
     turn its last user message opened; its calls are its "tool_calls" (arguments as an object
-    or JSON text) or, with `parser` (text -> [opd.tools.ToolCall]), parsed from its content."""
+    or JSON text) or, with `parser` (text -> [opd.tool_calls.ToolCall]), parsed from its content."""
     import json
 
     turns: list[list[list[dict]]] = []

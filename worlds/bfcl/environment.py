@@ -26,7 +26,8 @@ import datetime
 import json
 from typing import Any
 
-from opd.tools import Tool, ToolCall, ToolRegistry
+from opd.tool_calls import ToolCall
+from opd.tool_schemas import Tool, ToolRegistry
 from worlds.bfcl.convert import (
     MULTI_TURN_CLASSES,
     backend_class,

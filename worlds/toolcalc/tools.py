@@ -10,7 +10,7 @@ import ast
 import math
 import operator
 
-from opd.tools import Tool, ToolRegistry
+from opd.tool_schemas import Tool, ToolRegistry
 
 SIGNIFICANT_DIGITS = 6
 MAX_EXPRESSION_CHARS = 256
