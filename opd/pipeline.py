@@ -23,7 +23,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             print(dry_run(config, plugins))
             return
         preemption.install()  # SIGUSR1 / SIGTERM: checkpoint at the next step boundary, requeue
+        # A rank that hangs: `kill -QUIT PID` prints every thread's stack, and the rank goes on.
+        faulthandler.register(signal.SIGQUIT, all_threads=True)
         world = init_world(config.cluster.device, config.cluster.dist_backend,
                            config.cluster.threads_per_rank)
         try:

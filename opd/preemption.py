@@ -35,18 +35,32 @@ import torch.distributed as dist
 from opd.dist import all_reduce
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# Set by launch/slurm/node.sh (e.g. "USR2"): the signal it relays Slurm's warning (USR1) as.
+RELAYED_WARNING = "OPD_WARNING_SIGNAL"
 
 _received: list[str] = []  # names of the stop signals this process got, in order
+_meaning: dict[int, str] = {}  # signal number -> the name recorded for it
 LAUNCHER_EXITED = "launcher exited"  # recorded like a signal name; stops as SIGTERM does
 
 
 def _on_signal(signum: int, frame) -> None:
-    _received.append(signal.Signals(signum).name)
+    _received.append(_meaning.get(signum) or signal.Signals(signum).name)
 
 
 def install(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
-    """Turn `signals` into a stop request; call once from the main thread before training."""
+    """Turn `signals` into a stop request; call once from the main thread before training.
+
+    Under launch/slurm/node.sh ($OPD_WARNING_SIGNAL set) USR1 stays ignored, as node.sh left it:
+    Slurm sends its warning to every process of the job step, and the processes a rank starts (an
+    op's compiler, a tool sandbox, wandb's service) inherit an ignored signal across exec but
+    would die of a handled one. node.sh relays the warning to the ranks alone as
+    $OPD_WARNING_SIGNAL, which is handled here and recorded as SIGUSR1.
+    """
+    relayed = os.environ.get(RELAYED_WARNING)
     for signum in signals:
+        if signum == signal.SIGUSR1 and relayed:
+            signum = signal.Signals[f"SIG{relayed}"]
+            _meaning[signum] = "SIGUSR1"
         signal.signal(signum, _on_signal)
         # Restart interrupted system calls: a signal must not fail a collective in flight.
         signal.siginterrupt(signum, False)

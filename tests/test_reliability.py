@@ -250,6 +250,56 @@ def test_a_busy_rendezvous_port_is_named(world_dir, tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+RANK_WITH_A_CHILD = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+from opd import preemption
+
+out = Path(sys.argv[1])
+preemption.install()
+# Stands for what a rank starts: an op's compiler, a tool sandbox, wandb's service.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+(out / f"ready{os.environ['RANK']}").write_text(str(child.pid))
+deadline = time.monotonic() + 120
+while preemption.received() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)  # a signal to the child has landed by now
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(
+    {"signal": preemption.received(), "child_alive": child.poll() is None}))
+child.kill()
+"""
+
+
+def test_slurms_warning_to_every_process_of_the_step_spares_what_the_ranks_started(tmp_path):
+    """Slurm sends --signal=USR1@N to every process of the job step (proctrack), the ranks'
+    children included: an op build's compiler or a tool sandbox must not die of it, while the
+    ranks still learn of it (node.sh relays it to them)."""
+    import psutil
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_WITH_A_CHILD)
+    env = dict(_env(), SLURM_NNODES="1", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    with (tmp_path / "log").open("w") as log:
+        node = subprocess.Popen(["bash", "launch/slurm/node.sh", "2", sys.executable,
+                                 str(script), str(tmp_path)],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{rank}").is_file() for rank in (0, 1)):
+            assert node.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        for proc in [psutil.Process(node.pid), *_descendants(node.pid)]:
+            proc.send_signal(signal.SIGUSR1)
+        assert node.wait(timeout=120) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        node.kill()
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"signal": "SIGUSR1", "child_alive": True}, rank
+
+
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
 def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, tmp_path, signum):
     from opd import checkpoint

@@ -129,12 +129,17 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def _finish(proc, job: str, limit_s: float = 600) -> str:
+    """Wait for `submit.py --wait`, then for the job to leave COMPLETING (its processes gone,
+    its log whole: sbatch --wait may return before)."""
     try:
         proc.wait(timeout=limit_s)
     finally:
         if proc.poll() is None:
             subprocess.run(["scancel", job])
             proc.kill()
+    deadline = time.monotonic() + 120
+    while _job_field(job, "JobState") == "COMPLETING" and time.monotonic() < deadline:
+        time.sleep(1)
     return proc.stderr.read()
 
 
@@ -220,7 +225,8 @@ def test_time_limit_warning_signal_requeues_and_resumes(tmp_path):
     assert f"opd: job {job} start 2 on " in log
     assert "DUE TO TIME LIMIT" not in log
     # scancel's SIGTERM: a last checkpoint, and the job ends for good (it does not requeue).
-    assert "Stopped by SIGTERM after a checkpoint; the job is not requeued" in log
+    assert ("Stopped by SIGTERM (or the launcher's exit) after a checkpoint; the job is not "
+            "requeued") in log
     assert _job_field(job, "Restarts") == "1" and _job_field(job, "JobState") == "CANCELLED"
     # The second start resumed after the checkpoint: no step was run twice.
     steps = _steps(run_dir)

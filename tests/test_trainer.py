@@ -131,18 +131,20 @@ def test_plot_writes_a_png(tmp_path):
 
 def launch(launcher: str, script: str, *args: str,
            env: dict | None = None) -> subprocess.CompletedProcess:
+    port = str(free_port())
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), script, *args]
+                   "--master_port", port, script, *args]
     elif launcher == "deepspeed":
-        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), script,
-                   *args]
+        command = ["deepspeed", "--num_gpus", "2", "--master_port", port, script, *args]
     else:
         command = [sys.executable, script, *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    # DeepSpeed's CPU all-reduce buffers (66 MiB per rank, in RAM) must not outlive the run.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     return result
 
 

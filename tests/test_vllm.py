@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -229,9 +230,24 @@ def _train(recipe: Path, run_dir: Path, *overrides: str) -> list[dict]:
                "--master_port", str(free_port()), "launch/train.py", "--recipe", str(recipe),
                "rollout.engine=vllm", f"logging.run_dir={run_dir}", "checkpoint.every=1",
                "eval.every=0", "optim.schedule=constant", "optim.warmup_steps=0", *overrides]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    with (run_dir.parent / f"{run_dir.name}.log").open("w+") as log:
+        launcher = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:  # under pytest's 900 s: a hung run shows where each rank's threads are
+            returncode = launcher.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            ranks = psutil.Process(launcher.pid).children()
+            for rank in ranks:
+                rank.send_signal(signal.SIGQUIT)  # the trainer prints its threads' stacks
+            time.sleep(5)
+            for process in [launcher, *ranks]:
+                process.kill()
+            returncode = None
+        log.seek(0)
+        output = log.read()
+    assert returncode == 0, f"{run_dir.name}: exit code {returncode}\n{output[-12000:]}"
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
