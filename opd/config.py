@@ -94,6 +94,11 @@ class RolloutConfig:
     # a round, then every tool call, then the next round (the reference; on CPU the two are
     # within noise unless tools are slow, see BENCHMARKS.md).
     vllm_schedule: Literal["conversation", "rounds"] = "conversation"
+    # vLLM only: ranks per engine. 1: an engine per rank. N > 1: each N consecutive ranks (of one
+    # node) share one engine, sharded by tensor parallelism, for a student that does not fit one
+    # device beside its training states; the group's first rank runs the rollout of all the
+    # group's prompts (and their tool calls) and hands each rank its share.
+    vllm_tensor_parallel_size: int = at_least(1, 1)
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first `rollout.*` key out of bounds."""

@@ -225,3 +225,15 @@ def all_gather_objects(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def consecutive_group(world: World, size: int, backend: str | None = None):
+    """This rank's group of `size` consecutive ranks (every rank creates every group, as
+    `new_group` requires). `size` must divide the world size."""
+    mine = None
+    for start in range(0, world.world_size, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks, backend=backend)
+        if world.rank in ranks:
+            mine = group
+    return mine

@@ -57,7 +57,7 @@ from opd.tools import Episode, ToolCallCounts, ToolResult
 from opd.vllm_engine import TurnRequest, TurnSampling, request_seed
 
 if TYPE_CHECKING:
-    from opd.vllm_engine import VLLMEngine
+    from opd.vllm_engine import TurnEngine
 
 
 @dataclass
@@ -238,7 +238,7 @@ class _BatchRollout:
 
     def __init__(self, model, chat: ChatFormat, executor, parser, cfg: RolloutConfig,
                  rows: list[_Row], sampler: _Sampler, device: torch.device,
-                 engine: VLLMEngine | None = None, seed: int = 0,
+                 engine: TurnEngine | None = None, seed: int = 0,
                  tool_lanes: ThreadPoolExecutor | None = None):
         self.model, self.chat, self.executor, self.parser = model, chat, executor, parser
         self.cfg, self.rows, self.sampler, self.device = cfg, rows, sampler, device
@@ -318,7 +318,7 @@ class _BatchRollout:
         row.turn_start = len(row.trajectory.input_ids)
         row.budget = min(self.cfg.max_new_tokens, self.cfg.max_total_len - row.turn_start)
 
-    def _advance_conversations(self, engine: VLLMEngine) -> None:
+    def _advance_conversations(self, engine: TurnEngine) -> None:
         """Per-conversation scheduling: a conversation's next turn is submitted as soon as its
         tools (or its next user turn) are in, and the calls of the conversations whose turns an
         engine iteration ended start at once on the tool lanes (threads: the executor runs
@@ -483,15 +483,16 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
             sync: Callable[[bool], bool] | None = None, vocab_size: int | None = None,
-            engine: VLLMEngine | None = None) -> list[AgentTrajectory]:
+            engine: TurnEngine | None = None) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
     further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
     Deterministic for a fixed seed, prompts and batch size. `sync(has_work) -> any_has_work`
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
     work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
-    With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: each rank
-    has its own engine, so no collective runs and `sync` is not needed; `cfg.vllm_schedule`
+    With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: a rank has
+    an engine of its own (or drives its group's, whose other ranks mirror the calls), so no
+    collective of the student runs and `sync` is not needed; `cfg.vllm_schedule`
     chooses per-conversation scheduling or turn-synchronous rounds (the same trajectories).
     """
     cfg.validate()

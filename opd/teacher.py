@@ -24,7 +24,7 @@ from torch import nn
 
 from opd.backends import load_causal_lm, resolve_precision
 from opd.config import TeacherConfig
-from opd.dist import World
+from opd.dist import World, consecutive_group
 from opd.errors import ConfigError
 
 
@@ -116,17 +116,11 @@ class _TensorParallelGroup:
 
 
 def tensor_parallel_group(world: World, tp_size: int):
-    """This rank's group of `tp_size` consecutive ranks (every rank creates every group)."""
+    """This rank's group of `tp_size` consecutive ranks."""
     if world.world_size % tp_size:
         raise ConfigError(f"teacher.tp_size={tp_size} must divide the world size "
                           f"{world.world_size}.")
-    mine = None
-    for start in range(0, world.world_size, tp_size):
-        ranks = list(range(start, start + tp_size))
-        group = dist.new_group(ranks)
-        if world.rank in ranks:
-            mine = group
-    return mine
+    return consecutive_group(world, tp_size)
 
 
 class TensorParallelTeacher(Teacher):

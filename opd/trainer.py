@@ -31,7 +31,7 @@ from tqdm import tqdm
 from opd import checkpoint, preemption
 from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
-from opd.dist import World, all_reduce, barrier, lockstep, shorten_timeout
+from opd.dist import World, all_reduce, barrier, consecutive_group, lockstep, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
 from opd.eval import evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
@@ -43,7 +43,7 @@ from opd.rollout import AgentTrajectory, rollout
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
 from opd.teacher import Teacher, build_teacher
 from opd.tools import ToolExecutor
-from opd.vllm_engine import VLLMEngine, check_servable
+from opd.vllm_engine import MirroredEngine, VLLMEngine, check_servable
 
 
 @dataclass
@@ -59,7 +59,8 @@ class Run:
     executor: ToolExecutor
     log: MetricsLog
     start_step: int = 0
-    sampler: VLLMEngine | None = None  # rollout.engine=vllm
+    sampler: VLLMEngine | None = None  # rollout.engine=vllm: this rank's engine (or shard)
+    sampler_group: MirroredEngine | None = None  # rollout.vllm_tensor_parallel_size > 1
     sampler_stale: bool = True  # the student stepped since its weights went to the sampler
     nonfinite_in_a_row: int = 0
     nonfinite_steps: int = 0
@@ -114,7 +115,7 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
         config.run_dir.mkdir(parents=True, exist_ok=True)
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
     if config.rollout.engine == "vllm":
-        check_servable(config.model.student, world.device.type)
+        check_servable(config.model.student, world, config.rollout.vllm_tensor_parallel_size)
     student = build_student(config.model.student, config.student, config.optim, world)
     teacher = build_teacher(config.model.teacher, config.teacher, world)
     executor = tool_executor(plugins.tool_registry, config.tools, plugins.environment)
@@ -124,17 +125,23 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
                      wandb_mode=config.logging.wandb_mode,
                      wandb_project=config.logging.wandb_project, run_name=config.name,
                      config=to_dict(config))
-    sampler = None
+    sampler, sampler_group = None, None
     if config.rollout.engine == "vllm":
+        tp_size = config.rollout.vllm_tensor_parallel_size
+        leader = world.rank - world.rank % tp_size
         sampler = VLLMEngine(config.model.student, max_model_len=config.rollout.max_total_len,
-                             dtype=student.dtype, seed=config.seed + world.rank,
+                             dtype=student.dtype, seed=config.seed + leader,
                              gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                             tensor_parallel_size=tp_size,
                              enable_sleep_mode=world.device.type == "cuda")
+        if tp_size > 1:  # control messages only: gloo, on any device
+            sampler_group = MirroredEngine(sampler, consecutive_group(world, tp_size, "gloo"),
+                                           leader, world.rank == leader)
         if world.device.type == "cuda":
             sampler.sleep()  # until the first rollout: training needs the memory first
     return Run(config=config, plugins=plugins, inputs=inputs, world=world, student=student,
                teacher=teacher, executor=executor, log=log, start_step=start_step,
-               sampler=sampler)
+               sampler=sampler, sampler_group=sampler_group)
 
 
 def resume_path(config: Config) -> Path | None:
@@ -184,9 +191,7 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
         if sleeps:
             run.sampler.wake_up()
         sync_s = sync_sampler(run, run.sampler)
-        trajectories = rollout(None, run.inputs.chat, run.executor, prompts, config.rollout,
-                               seed=seed, parser=run.plugins.parser,
-                               vocab_size=run.inputs.vocab_size, engine=run.sampler)
+        trajectories = sample_with_vllm(run, prompts, seed)
         if sleeps:
             run.sampler.sleep()
         return trajectories, False, {"sync_s": round(sync_s, 4),
@@ -198,6 +203,37 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
                                seed=seed, parser=run.plugins.parser, sync=sync,
                                vocab_size=run.inputs.vocab_size)
     return trajectories, False, {}
+
+
+def sample_with_vllm(run: Run, prompts: list[dict], seed: int) -> list[AgentTrajectory]:
+    """This rank's trajectories from the vLLM engine: its own engine's, or, for a group of ranks
+    sharing one tensor-parallel engine, its share of what the group's first rank sampled for all
+    the group's prompts (with that rank's seed) while the others mirrored its engine calls."""
+    def sample(records: list[dict], engine) -> list[AgentTrajectory]:
+        return rollout(None, run.inputs.chat, run.executor, records, run.config.rollout,
+                       seed=seed, parser=run.plugins.parser, vocab_size=run.inputs.vocab_size,
+                       engine=engine)
+
+    group = run.sampler_group
+    if group is None:
+        return sample(prompts, run.sampler)
+    import torch.distributed as dist
+
+    shares: list | None = [None] * dist.get_world_size(group.group) if group.is_leader else None
+    dist.gather_object(prompts, shares, dst=group.leader, group=group.group)
+    if group.is_leader:
+        assert shares is not None
+        try:
+            trajectories = sample([record for share in shares for record in share], group)
+        finally:
+            group.finish()
+        starts = [sum(len(share) for share in shares[:i]) for i in range(len(shares) + 1)]
+        shares = [trajectories[a:b] for a, b in zip(starts, starts[1:])]
+    else:
+        group.follow()
+    mine: list = [None]
+    dist.scatter_object_list(mine, shares, src=group.leader, group=group.group)
+    return mine[0]
 
 
 def sync_sampler(run: Run, sampler: VLLMEngine) -> float:

