@@ -1,7 +1,7 @@
 """Quality study on toolcalc: does on-policy distillation beat the cheaper things a user tries?
 
     python bench/quality.py [--methods all] [--seeds 0,1,2] [--steps 300] [--eval-every 50]
-                            [--out runs/quality] [section.key=value ...]
+                            [--jobs 2] [--out runs/quality] [section.key=value ...]
     python bench/quality.py --report-only [--out runs/quality]
 
 The harder world (three_hop tasks too, four assistant turns) is the same recipe with its
@@ -51,7 +51,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Before torch loads OpenMP: threads that spin while waiting for work steal the cores of other
@@ -90,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps between validation evals (0: none)")
     parser.add_argument("--val-tasks", type=int, default=100, help="validation split size")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, one thread each (each run's wall s then "
+                             "counts the others' load)")
     parser.add_argument("--out", default=str(REPO / "runs" / "quality"))
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite quality.md and quality.png from results.jsonl")
@@ -129,19 +134,26 @@ def main(argv: list[str] | None = None) -> None:
     validation = write_validation_split(config, out, args.val_tasks)
     references = reference_rows(config, plugins, out, validation)
     done = {(r["method"], r["seed"]) for r in read_results(out)}
-    for seed in seeds:
-        for method in methods:
-            if (method, seed) in done:
-                continue
-            teacher_data = teacher_conversations(config, plugins, out, seed) \
-                if any(TEACHER_CONVERSATIONS in o for o in METHODS[method]) else None
-            result = run_method(args, config, plugins, out, method, seed, steps, validation,
-                                teacher_data)
-            result["references"] = references
-            with (out / "results.jsonl").open("a") as results:
-                results.write(json.dumps(result) + "\n")
-            print(json.dumps({k: result[k] for k in ("method", "seed", "heldout_success",
-                                                      "wall_s")}), flush=True)
+    todo = [(method, seed) for seed in seeds for method in methods if (method, seed) not in done]
+    # Sampled from the teacher once per seed, before any run that trains on them starts.
+    teacher_data = {seed: teacher_conversations(config, plugins, out, seed)
+                    for seed in sorted({seed for method, seed in todo
+                                        if any(TEACHER_CONVERSATIONS in o
+                                               for o in METHODS[method])})}
+    written = threading.Lock()
+
+    def one(method: str, seed: int) -> None:
+        result = run_method(args, config, plugins, out, method, seed, steps, validation,
+                            teacher_data.get(seed))
+        result["references"] = references
+        with written, (out / "results.jsonl").open("a") as results:
+            results.write(json.dumps(result) + "\n")
+        print(json.dumps({k: result[k] for k in ("method", "seed", "heldout_success",
+                                                  "wall_s")}), flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for future in [pool.submit(one, method, seed) for method, seed in todo]:
+            future.result()
     report(out)
 
 
@@ -266,6 +278,8 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         "checkpoint.every=0", "checkpoint.resume=never", f"data.eval={validation}",
         f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
         "eval.teacher=false", *args.overrides]
+    if args.jobs > 1:  # the cores are shared: one thread per run, or they oversubscribe
+        overrides.append("cluster.threads_per_rank=1")
     command = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", args.recipe,
                *overrides]
     print(f"{method} seed {seed}: {' '.join(command[2:])}", flush=True)
@@ -287,7 +301,7 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         "teacher_tokens_scored": sum(r["teacher_tokens"] for r in records),
         "rollout_s": round(sum(r["rollout_s"] for r in records), 1),
         "train_steps_s": round(sum(r["step_s"] for r in records), 1),
-        "wall_s": round(wall_s, 1),
+        "wall_s": round(wall_s, 1), "jobs": args.jobs,
     }
 
 
@@ -345,17 +359,18 @@ def report(out: Path) -> None:
         lines.append(f"| {method} | " + " | ".join(
             f"{statistics.mean(r['heldout_per_group'].get(g, 0.0) for r in runs):.3f}"
             for g in groups) + " |")
-    lines += ["", "The student's own rollouts during on-policy steps (from each run's metrics.jsonl, "
-              "mean over seeds): tool calls that were invalid or failed per conversation, and "
-              "the truncation rate, over the first and the last 50 steps:", "",
-              "| method | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
-              "last 50 |", "|---|---|---|---|---|"]
+    lines += ["", "The student's own rollouts during on-policy steps (from the metrics.jsonl of "
+              "each run whose directory is under --out; mean over those runs): tool calls that "
+              "were invalid or failed per conversation, and the truncation rate, over the first "
+              "and the last 50 steps:", "",
+              "| method | runs | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
+              "last 50 |", "|---|---|---|---|---|---|"]
     for method, runs in by_method.items():
         phases = [on_policy_errors(out / "runs" / f"{method}-seed{r['seed']}" / "metrics.jsonl")
                   for r in runs]
         measured = [phase for phase in phases if phase is not None]
         if measured:
-            lines.append(f"| {method} | " + " | ".join(
+            lines.append(f"| {method} | {len(measured)} | " + " | ".join(
                 f"{statistics.mean(phase[i] for phase in measured):.3f}" for i in range(4)) + " |")
     (out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
