@@ -20,6 +20,7 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
     kd_teacher      off-policy, forward KL on conversations the teacher wrote
     kd_oracle       off-policy, forward KL on the dataset's oracle conversations
     sft_teacher     cross-entropy (loss.direction=sft) on the teacher-written conversations
+    sft_oracle      cross-entropy on the dataset's oracle conversations (more of the warm start)
     gkd_mix         half of the steps on-policy, half on the teacher-written conversations
     gkd_mix_oracle  half of the steps on-policy, half on the dataset's oracle conversations
                     (the default recipe)
@@ -74,6 +75,7 @@ METHODS = {
     "kd_oracle": ["loss.off_policy_fraction=1.0"],
     "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",
                     f"data.completions={TEACHER_CONVERSATIONS}"],
+    "sft_oracle": ["loss.direction=sft", "loss.off_policy_fraction=1.0"],
     "gkd_mix": ["loss.off_policy_fraction=0.5", f"data.completions={TEACHER_CONVERSATIONS}"],
     "gkd_mix_oracle": ["loss.off_policy_fraction=0.5"],
 }

@@ -12,7 +12,7 @@ one whose keys and values are broadcast to the batch (gradients flow through the
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from opd.steps import schedule_factor
 
@@ -80,8 +80,12 @@ def _forward_with_shared_prefix(model, input_ids_BT, attention_mask_BT, prefix_l
 
 
 def sft(model, trajectories: list, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
-        seed: int, desc: str, schedule: str = "cosine", pad_token_id: int = 0) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps; returns the per-step losses."""
+        seed: int, desc: str, schedule: str = "cosine", pad_token_id: int = 0,
+        every: int = 0, on_every: Callable[[int], None] | None = None) -> list[float]:
+    """Train `model` in place for `steps` AdamW steps; returns the per-step losses.
+
+    `on_every(step)` runs after every `every` steps (an eval along one schedule); the model is
+    in eval mode during the call."""
     import torch
     from tqdm import tqdm
 
@@ -106,5 +110,9 @@ def sft(model, trajectories: list, *, steps: int, batch_size: int, lr: float, wa
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        if on_every and every and len(losses) % every == 0:
+            model.eval()
+            on_every(len(losses))
+            model.train()
     model.eval()
     return losses
