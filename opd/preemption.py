@@ -39,12 +39,12 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 RELAYED_WARNING = "OPD_WARNING_SIGNAL"
 
 _received: list[str] = []  # names of the stop signals this process got, in order
-_meaning: dict[int, str] = {}  # signal number -> the name recorded for it
+_relayed_warning: int | None = None  # the signal number recorded as SIGUSR1 (node.sh's relay)
 LAUNCHER_EXITED = "launcher exited"  # recorded like a signal name; stops as SIGTERM does
 
 
 def _on_signal(signum: int, frame) -> None:
-    _received.append(_meaning.get(signum) or signal.Signals(signum).name)
+    _received.append("SIGUSR1" if signum == _relayed_warning else signal.Signals(signum).name)
 
 
 def install(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
@@ -56,11 +56,11 @@ def install(signals: tuple[int, ...] = STOP_SIGNALS) -> None:
     would die of a handled one. node.sh relays the warning to the ranks alone as
     $OPD_WARNING_SIGNAL, which is handled here and recorded as SIGUSR1.
     """
+    global _relayed_warning
     relayed = os.environ.get(RELAYED_WARNING)
     for signum in signals:
         if signum == signal.SIGUSR1 and relayed:
-            signum = signal.Signals[f"SIG{relayed}"]
-            _meaning[signum] = "SIGUSR1"
+            signum = _relayed_warning = signal.Signals[f"SIG{relayed}"]
         signal.signal(signum, _on_signal)
         # Restart interrupted system calls: a signal must not fail a collective in flight.
         signal.siginterrupt(signum, False)

@@ -20,6 +20,7 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -227,7 +228,7 @@ def sample_with_vllm(run: Run, prompts: list[dict], seed: int) -> list[AgentTraj
             trajectories = sample([record for share in shares for record in share], group)
         finally:
             group.finish()
-        starts = [sum(len(share) for share in shares[:i]) for i in range(len(shares) + 1)]
+        starts = [0, *itertools.accumulate(len(share) for share in shares)]
         shares = [trajectories[a:b] for a, b in zip(starts, starts[1:])]
     else:
         group.follow()
