@@ -99,6 +99,29 @@ def request_seed(seed: int, conversation: int, turn: int) -> int:
     return (seed * 1_000_003 + conversation * 1_009 + turn) % (2 ** 62)
 
 
+def _unlink_cpu_shared_memory() -> None:
+    """Remove this rank's name of vLLM's CPU tensor-parallel buffer; the mapping stays valid.
+
+    vLLM's CPU communicator creates a /dev/shm file per shard for its all-reduce and never
+    unlinks it: every tensor-parallel run on CPU left 4 MiB per rank behind, under a name that is
+    the same for every run under the external launcher. vLLM's set-up ends with a barrier after
+    every shard opened its peers' files, so the name is no longer needed once the engine exists.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    communicator = get_tp_group().device_communicator
+    shm = getattr(communicator, "dist_module", None)
+    if not isinstance(shm, _CPUSHMDistributed):  # GPUs, or vLLM fell back to torch.distributed
+        return
+    # shm_open drops the leading slashes of an "env://" launcher's identifier ("//").
+    name = f"{shm.group_name.lstrip('/')}_{shm.communicator.rank}"
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
 class VLLMEngine:
     """One in-process vLLM engine holding the student's weights."""
 
@@ -126,6 +149,8 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs")
         self._running: dict[str, str] = {}  # submitted, unfinished turns: ID -> vLLM's own ID
         self._allowed: list[int] = []
+        if tensor_parallel_size > 1:
+            _unlink_cpu_shared_memory()
 
     def submit(self, request: TurnRequest, sampling: TurnSampling) -> str:
         """Queue one assistant turn: it ends at a stop ID (kept) or after `max_tokens`; `step`

@@ -303,8 +303,11 @@ def test_two_ranks_share_one_tensor_parallel_engine(tmp_path):
     student's forward (each shard loads its part of the full tensors)."""
     recipe = build_world(tmp_path / "world", student_shape=VLLM_STUDENT_SHAPE)
     prompts_per_step = yaml.safe_load(recipe.read_text())["train"]["prompts_per_step"]
+    shared_memory = set(os.listdir("/dev/shm"))
     records = _train(recipe, tmp_path / "tp", "train.steps=2",
                      "rollout.vllm_tensor_parallel_size=2")
+    # vLLM's CPU all-reduce buffers are not left behind in RAM (4 MiB per rank per run).
+    assert not {n for n in os.listdir("/dev/shm") if "cpushm" in n} - shared_memory
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert record["sampler_logprob_gap_max"] < 1e-4
