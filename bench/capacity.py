@@ -1,7 +1,7 @@
 """How far can a student of a given shape go on toolcalc at all? SFT from scratch, long.
 
     python bench/capacity.py [--shapes student,teacher,...] [--steps 3000] [--eval-every 500]
-                             [--data oracle|teacher] [--out runs/capacity]
+                             [--data oracle|PATH] [--out runs/capacity]
 
 The quality study (bench/quality.py) compares methods at the default recipe's budget; this
 script asks what bounds all of them: each shape is trained by plain supervised fine-tuning on
@@ -65,17 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from opd.chat import ChatFormat
-    from opd.config import RolloutConfig, load_config
+    from opd.config import load_config
     from opd.data import completion_trajectory, load_jsonl
-    from opd.eval import evaluate, greedy
     from opd.plugins import prepared, resolve_plugins
-    from opd.tools import ToolExecutor
     from worlds.toolcalc.models import build_model, count_parameters
-    from worlds.toolcalc.prepare import PrepareConfig
+    from worlds.toolcalc.prepare import Evaluator, PrepareConfig
     from worlds.toolcalc.sft import sft
-    from worlds.toolcalc.tasks import check_answer
     from worlds.toolcalc.tokenizer import load_tokenizer
-    from worlds.toolcalc.tools import registry
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -90,20 +86,16 @@ def main(argv: list[str] | None = None) -> None:
     data = config.data.completions if args.data == "oracle" else args.data
     conversations = [completion_trajectory(chat, r["messages"], r.get("tools"))
                      for r in load_jsonl(data)]
-    eval_cfg = greedy(RolloutConfig(max_turns=config.rollout.max_turns,
-                                    max_new_tokens=config.rollout.max_new_tokens,
-                                    max_total_len=config.rollout.max_total_len, batch_size=100))
     lr = args.lr or prepare_cfg.student_lr
-    with ToolExecutor(registry()) as executor:
+    # Prepare's own eval: the same greedy rollout limits and checker as the world's figures.
+    with Evaluator(tokenizer, heldout, prepare_cfg) as evaluator:
         for name, shape in shapes:
             started = time.perf_counter()
             model = build_model(shape, tokenizer, prepare_cfg.seed + 100)
-            model_chat = ChatFormat(tokenizer, generation_config=model.generation_config)
             curve = []
 
             def validate(step: int) -> None:
-                metrics = evaluate(model, model_chat, executor, validation, check_answer,
-                                   eval_cfg)
+                metrics = evaluator(model, f"{name} validation", records=validation)
                 curve.append((step, metrics["success_rate"]))
                 print(json.dumps({"shape": name, "step": step,
                                   "validation_success": metrics["success_rate"]}), flush=True)
@@ -114,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 warmup_steps=prepare_cfg.warmup_steps, seed=prepare_cfg.seed + 100,
                 desc=f"{name} SFT", pad_token_id=tokenizer.pad_token_id,
                 every=args.eval_every, on_every=validate)
-            final = evaluate(model, model_chat, executor, heldout, check_answer, eval_cfg)
+            final = evaluator(model, f"{name} held-out")
             result = {"shape": name, "hidden_x_layers": f"{shape.hidden_size}x"
                       f"{shape.num_hidden_layers}", "parameters": count_parameters(model),
                       "steps": args.steps, "batch_size": prepare_cfg.batch_size, "lr": lr,

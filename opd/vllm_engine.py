@@ -115,7 +115,7 @@ def _unlink_cpu_shared_memory() -> None:
     if not isinstance(shm, _CPUSHMDistributed):  # GPUs, or vLLM fell back to torch.distributed
         return
     # shm_open drops the leading slashes of an "env://" launcher's identifier ("//").
-    name = f"{shm.group_name.lstrip('/')}_{shm.communicator.rank}"
+    name = f"{shm.group_name.lstrip('/')}_{communicator.rank}"
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except FileNotFoundError:

@@ -235,7 +235,7 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     chat = ChatFormat(tokenizer)
     conversations = [completion_trajectory(chat, r["messages"], r["tools"])
                      for r in tqdm(load_jsonl(out.train_data), desc="render SFT data", leave=False)]
-    with _Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
+    with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
         report["teacher"] = _prepare_teacher(cfg, tokenizer, conversations, evaluator, out)
         report["student"] = _prepare_student(cfg, tokenizer, conversations, evaluator, out)
     report["seconds"] = round(time.perf_counter() - started, 1)
@@ -282,8 +282,9 @@ def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared) ->
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-class _Evaluator:
-    """Held-out eval with one tool sandbox for the whole prepare; metrics without samples."""
+class Evaluator:
+    """Held-out eval with one tool sandbox for the whole prepare (and bench/capacity.py);
+    metrics without samples. `records` overrides the held-out tasks for one call."""
 
     def __init__(self, tokenizer, records: list[dict], cfg: PrepareConfig):
 
@@ -300,10 +301,11 @@ class _Evaluator:
     def __exit__(self, *exc_info):
         self.executor.close()
 
-    def __call__(self, model, desc: str, sampled: bool = False) -> dict:
+    def __call__(self, model, desc: str, sampled: bool = False,
+                 records: list[dict] | None = None) -> dict:
 
         chat = ChatFormat(self.tokenizer, generation_config=model.generation_config)
-        metrics = evaluate(model, chat, self.executor, self.records, check_answer,
+        metrics = evaluate(model, chat, self.executor, records or self.records, check_answer,
                            self.sampled if sampled else self.greedy, progress=desc)
         metrics.pop("samples")
         return metrics
