@@ -22,8 +22,9 @@ import torch
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.packing import pack_varlen
-from opd.rollout import AgentTrajectory, rollout
+from opd.rollout import rollout
 from opd.tools import ToolExecutor
+from opd.trajectory import AgentTrajectory
 from worlds.toolcalc.tasks import generate_tasks, task_record
 from worlds.toolcalc.tokenizer import load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry

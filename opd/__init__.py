@@ -7,7 +7,7 @@ imported until a trainer asks for it.
 import importlib
 
 _PUBLIC = {
-    "AgentTrajectory": "opd.rollout",
+    "AgentTrajectory": "opd.trajectory",
     "collect_trajectory": "opd.rollout",
     "tool_observation": "opd.chat",
     "pack_trajectories": "opd.packing",

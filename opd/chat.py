@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from opd.errors import ChatTemplateError
+from opd.tool_calls import ToolCall
 
 BOUNDARY_MARKER = "<|opd_observation_boundary|>"
 
@@ -172,7 +173,6 @@ _DEFAULT_EXECUTOR = None
 
 def as_tool_calls(calls: Iterable) -> list:
     """Seed-style call dicts ({"name", "arguments"}) to `ToolCall`s; ToolCalls pass through."""
-    from opd.tool_calls import ToolCall
     converted = []
     for call in calls:
         if isinstance(call, ToolCall):

@@ -33,7 +33,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from opd.chat import ChatFormat
 from opd.errors import DatasetError
+from opd.trajectory import AgentTrajectory
 
 ROLES = ("system", "user", "assistant", "tool")
 ANSWER_KEY = "answer"
@@ -198,9 +200,6 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
     tools offered at that user turn (`tools_by_turn`). Trailing messages after the last
     assistant turn carry nothing to learn and are dropped.
     """
-    from opd.chat import ChatFormat
-    from opd.rollout import AgentTrajectory
-
     chat = chat_or_tokenizer if isinstance(chat_or_tokenizer, ChatFormat) \
         else ChatFormat(chat_or_tokenizer)
     messages = [dict(m, content=m.get("content") or "") for m in messages]

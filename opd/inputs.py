@@ -16,7 +16,7 @@ from opd.chat import ChatFormat
 from opd.config import Config, ModelConfig
 from opd.data import completion_trajectory, numbered_records, prompt_record, tools_at_turn
 from opd.errors import DatasetError, MissingFileError, OPDError, VocabularyError
-from opd.rollout import AgentTrajectory
+from opd.trajectory import AgentTrajectory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

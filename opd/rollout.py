@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,48 +53,12 @@ from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns
 from opd.tool_calls import parse_hermes_tool_calls
-from opd.tools import Episode, ToolCallCounts, ToolResult
+from opd.tools import Episode, ToolResult
+from opd.trajectory import AgentTrajectory
 from opd.vllm_engine import TurnRequest, TurnSampling, request_seed
 
 if TYPE_CHECKING:
     from opd.vllm_engine import TurnEngine
-
-
-@dataclass
-class AgentTrajectory:
-    """One conversation as the student saw and wrote it (seed fields first)."""
-
-    input_ids: list[int]
-    assistant_mask: list[bool]
-    turns: int
-    tool_calls: int
-    truncated: bool
-    truncation_reason: str | None = None  # see the module docstring
-    # prompt | assistant | observation | user (a further user turn)
-    spans: list[tuple[int, int, str]] = field(default_factory=list)
-    counts: ToolCallCounts = field(default_factory=ToolCallCounts)
-    logprobs: list[float] = field(default_factory=list)  # one per target token, in order
-    environment_state: Any = None  # a stateful environment's final state() (None: none)
-    environment_error: str | None = None  # why the environment ended the episode early
-    # The calls that ran, per user turn, per assistant message: [turn][message][call], each
-    # {"name", "arguments"}; a message without calls is an empty step (what BFCL scores).
-    calls_by_turn: list[list[list[dict]]] = field(default_factory=lambda: [[]])
-
-    @classmethod
-    def from_prompt(cls, ids: Sequence[int]) -> AgentTrajectory:
-        """A conversation of its prompt alone (context), before the first assistant turn."""
-        return cls(input_ids=list(ids), assistant_mask=[False] * len(ids), turns=0, tool_calls=0,
-                   truncated=False, spans=[(0, len(ids), "prompt")])
-
-    def append(self, ids: Sequence[int], kind: str) -> None:
-        """Append a span of `kind`; only assistant tokens are targets."""
-        start = len(self.input_ids)
-        self.input_ids.extend(ids)
-        self.assistant_mask.extend([kind == "assistant"] * len(ids))
-        self.spans.append((start, len(self.input_ids), kind))
-
-    def assistant_spans(self) -> list[tuple[int, int]]:
-        return [(start, end) for start, end, kind in self.spans if kind == "assistant"]
 
 
 @dataclass

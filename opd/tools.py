@@ -33,7 +33,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,19 +50,6 @@ MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
 class ToolResult:
     content: str   # JSON text shown to the student, at most max_result_chars characters
     status: str    # "ok" | "invalid" | "failed"
-
-
-@dataclass
-class ToolCallCounts:
-    """Per trajectory; each call counts once: ok -> valid, else invalid or failed."""
-    valid: int = 0
-    invalid: int = 0
-    failed: int = 0
-
-    def add(self, results: Iterable[ToolResult]) -> None:
-        for result in results:
-            field = {"ok": "valid", "invalid": "invalid", "failed": "failed"}[result.status]
-            setattr(self, field, getattr(self, field) + 1)
 
 
 # The launcher is a fresh interpreter, not a fork (the parent may be a trainer rank with threads)

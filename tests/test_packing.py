@@ -9,7 +9,7 @@ import torch
 from conftest import build_tiny_model
 
 from opd.packing import first_fit_decreasing, pack_trajectories, pack_varlen
-from opd.rollout import AgentTrajectory
+from opd.trajectory import AgentTrajectory
 
 
 def seed_pack_trajectories(trajectories, pad_token_id, device):

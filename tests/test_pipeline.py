@@ -15,7 +15,7 @@ from dist_scripts.world import build_world
 
 from opd.config import ModelConfig, load_config
 from opd.eval import final_text, strip_thinking
-from opd.rollout import AgentTrajectory
+from opd.trajectory import AgentTrajectory
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ from opd.errors import VocabularyError
 from opd.inputs import check_vocabulary
 from opd.loss import fused_distillation_loss
 from opd.packing import pack_varlen
-from opd.rollout import AgentTrajectory
 from opd.teacher import ReplicatedTeacher
+from opd.trajectory import AgentTrajectory
 
 PADDED_VOCAB = 152064  # Qwen2.5-7B+ and some Qwen3 derivatives pad to 152,064 rows
 

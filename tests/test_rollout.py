@@ -156,7 +156,7 @@ def train_tool_caller(compact_tokenizer, directory, hidden_size: int):
     saved (trained) to `directory`."""
     from conftest import build_tiny_model
 
-    from opd.rollout import AgentTrajectory
+    from opd.trajectory import AgentTrajectory
     model = build_tiny_model(compact_tokenizer, directory, hidden_size=hidden_size)
     chat = ChatFormat(compact_tokenizer, TEMPLATE_KWARGS)
     tools = toolcalc_registry().schemas

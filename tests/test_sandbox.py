@@ -18,7 +18,8 @@ import tool_fixtures
 
 from opd.tool_calls import ToolCall, parse_hermes_tool_calls
 from opd.tool_schemas import MAX_ARGUMENT_DEPTH, Tool, ToolRegistry
-from opd.tools import ToolCallCounts, ToolExecutor
+from opd.tools import ToolExecutor
+from opd.trajectory import ToolCallCounts
 
 TIMEOUT_S = 3.0
 WAIT_S = 60.0  # generous: the machine may be loaded; only a broken sandbox waits this long

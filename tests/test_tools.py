@@ -15,7 +15,8 @@ import tool_fixtures
 
 from opd.tool_calls import ToolCall, get_parser, parse_hermes_tool_calls, register_parser
 from opd.tool_schemas import Tool, ToolRegistry
-from opd.tools import ToolCallCounts, ToolExecutor, ToolResult
+from opd.tools import ToolExecutor, ToolResult
+from opd.trajectory import ToolCallCounts
 from worlds.toolcalc.tools import (
     LOOKUP_ATTRIBUTES,
     LOOKUP_TABLE,
