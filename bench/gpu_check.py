@@ -78,7 +78,7 @@ def step_parity(tokenizer, directory: str) -> dict:
 
 
 def engines(tokenizer, directory: str) -> list[dict]:
-    from opd.vllm_engine import VLLMEngine
+    from opd.sampling.vllm_engine import VLLMEngine
 
     model = qwen3(tokenizer, directory, "sdpa").eval()
     chat = ChatFormat(tokenizer, generation_config=model.generation_config)

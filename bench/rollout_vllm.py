@@ -32,8 +32,8 @@ import torch
 from bench.tool_latency import with_latency
 from opd.chat import ChatFormat
 from opd.rollout import RolloutConfig, rollout
+from opd.sampling.vllm_engine import VLLMEngine
 from opd.tools import ToolExecutor
-from opd.vllm_engine import VLLMEngine
 from worlds.toolcalc.tasks import generate_tasks, task_record
 from worlds.toolcalc.tokenizer import load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry

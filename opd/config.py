@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 
 from opd.errors import ConfigError
+from opd.sampling import SAMPLERS
+from opd.teachers import TEACHERS
 from opd.tools import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
 
 OVERRIDE_SOURCE = "command line"
@@ -84,9 +86,9 @@ class RolloutConfig:
     top_p: float = within(0, 1, 1.0, open_low=True)
     top_k: int = at_least(0, 0)
     batch_size: int = at_least(1, 32)  # conversations sampled together on one rank
-    # hf: our batched decode loop (the reference); vllm: a colocated vLLM engine per rank
-    # (opd.vllm_engine; the vllm extra, requirements-vllm-*.txt).
-    engine: Literal["hf", "vllm"] = "hf"
+    # A sampler registered in opd.sampling. hf: our batched decode loop (the reference); vllm: a
+    # colocated vLLM engine per rank (opd.sampling.vllm; the extra requirements-vllm-*.txt).
+    engine: str = rule(lambda v: v in SAMPLERS, f"one of {', '.join(SAMPLERS)}", "hf")
     # vLLM's share of the accelerator's memory for weights and KV cache (GPU only).
     gpu_memory_utilization: float = within(0, 1, 0.3, open_low=True)
     # vLLM only, same trajectories either way. conversation: a conversation's next turn starts
@@ -178,7 +180,18 @@ class StudentConfig:
 
 @dataclass
 class TeacherConfig:
-    engine: Literal["zero_inference", "tensor_parallel", "replicated"] = "zero_inference"
+    # A teacher registered in opd.teachers (in-process: zero_inference, tensor_parallel,
+    # replicated).
+    engine: str = rule(lambda v: v in TEACHERS, f"one of {', '.join(TEACHERS)}",
+                       "zero_inference")
+    # What the teacher returns (opd.teachers.base): auto is what loss.direction needs;
+    # distribution (exact), topk (teacher.top_k ids and log-probs plus the rest's mass) or
+    # sampled (the sampled tokens' log-probs only).
+    signal: Literal["auto", "distribution", "topk", "sampled"] = "auto"
+    top_k: int = at_least(1, 20)  # signal=topk
+    # micro_batch: score the packed micro-batches inside the step (in-process engines);
+    # conversation: score each finished conversation at collect time, as a served teacher does.
+    scoring: Literal["micro_batch", "conversation"] = "micro_batch"
     deepspeed_config: str = "configs/deepspeed/zero_inference.json"
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str = ""

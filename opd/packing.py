@@ -123,3 +123,11 @@ def _pack_bin(trajectories: Sequence, indices: list[int]) -> PackedBatch:
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         trajectory_index=list(indices),
     )
+
+
+def empty_micro_batch(pad_token_id: int) -> PackedBatch:
+    """Two tokens, no targets: a rank with fewer micro-batches runs these to stay in lockstep."""
+    return PackedBatch(input_ids=torch.full((1, 2), pad_token_id, dtype=torch.long),
+                       position_ids=torch.arange(2)[None],
+                       target_mask=torch.zeros((1, 2), dtype=torch.bool),
+                       cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), trajectory_index=[])

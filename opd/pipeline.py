@@ -6,12 +6,15 @@
     prepare  the recipe's world, built once per node and cached (its "{prepared}" paths)
     inputs   tokenizer, vocabularies and datasets checked against the budgets (opd.inputs)
     preflight  the run directory is this run's and writable, wandb can log (opd.preflight)
+    engines  every engine's own checks of the config and files: the student backend's, the
+             sampler's, the teacher's (DeepSpeed JSON, vLLM servability, tensor-parallel sizes)
     eval     teacher and student before training, on rank 0 (opd.eval)
     train    the OPD loop (opd.trainer)
     eval     the trained student, then the teacher / before / after table and eval.json
 
 Every user mistake is an `OPDError` and ends the run in one sentence; all of them that can be
-known before an engine starts (everything up to `inputs`) are found then.
+known before an engine starts (everything up to `engines`) are found then, before any
+evaluation.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ import sys
 from pathlib import Path
 
 from opd import preemption, preflight
+from opd.backends import check_student
 from opd.config import Config, load_config, to_yaml
 from opd.dist import World, barrier, init_world, shutdown
 from opd.errors import OPDError
 from opd.eval import evaluate_model, results_table, spec_from_config
 from opd.inputs import RunInputs, load_inputs
 from opd.plugins import Plugins, prepared, resolve_plugins
+from opd.sampling import sampler_class
+from opd.teachers import teacher_class
 from opd.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +87,7 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     config = prepare(config, plugins, world)
     inputs = load_inputs(config)
     config = preflight.check(config, world)  # run dir, writability, wandb, before any engine
+    check_engines(config, world)
     rows: dict[str, dict] = {}
     if config.eval.before:
         if config.eval.teacher:
@@ -100,6 +107,14 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
         print(results_table(rows), flush=True)
     barrier()
     return rows
+
+
+def check_engines(config: Config, world: World) -> None:
+    """The checks each engine makes of the config and files alone, before any engine starts."""
+    check_student(config.student)
+    sampler_class(config.rollout.engine).check(config, world)
+    if config.loss.direction != "sft":
+        teacher_class(config.teacher.engine).check(config, world)
 
 
 def prepare(config: Config, plugins: Plugins, world: World) -> Config:
@@ -140,7 +155,8 @@ def dry_run(config: Config, plugins: Plugins) -> str:
     teacher_layout = {"zero_inference": f"ZeRO-3 partitioned over {world} ranks",
                       "tensor_parallel": f"tensor parallel, tp_size {tp_size} "
                                          f"({max(1, world // tp_size)} copies)",
-                      "replicated": "one full copy per rank"}[config.teacher.engine]
+                      "replicated": "one full copy per rank"}.get(config.teacher.engine,
+                                                                   config.teacher.engine)
     return "\n".join([
         to_yaml(config).rstrip(),
         "",

@@ -45,20 +45,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns
+from opd.sampling.base import TurnEngine, TurnRequest, TurnSampling, request_seed
 from opd.tool_calls import parse_hermes_tool_calls
 from opd.tools import Episode, ToolResult
 from opd.trajectory import AgentTrajectory
-from opd.vllm_engine import TurnRequest, TurnSampling, request_seed
-
-if TYPE_CHECKING:
-    from opd.vllm_engine import TurnEngine
 
 
 @dataclass
@@ -454,7 +450,7 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     Deterministic for a fixed seed, prompts and batch size. `sync(has_work) -> any_has_work`
     keeps ranks in lockstep (see module docstring); without it the loop stops when this rank's
     work is done. `vocab_size` (the vocabulary student and teacher share) bounds the ids drawn.
-    With `engine` (opd.vllm_engine) vLLM samples each turn and `model` is not used: a rank has
+    With `engine` (opd.sampling.vllm_engine) vLLM samples each turn and `model` is not used: a rank has
     an engine of its own (or drives its group's, whose other ranks mirror the calls), so no
     collective of the student runs and `sync` is not needed; `cfg.vllm_schedule`
     chooses per-conversation scheduling or turn-synchronous rounds (the same trajectories).

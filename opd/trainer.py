@@ -1,13 +1,16 @@
 """The OPD loop. One optimizer step, in five stages:
 
-1. rollout   this rank's prompts of the step (opd.steps) are sampled by the student under its
-             generation context, tools run in the sandbox (opd.tools); or, on an off-policy
-             step, the same share of dataset completions (loss.off_policy_fraction);
+1. collect   this rank's prompts of the step (opd.steps) are sampled by the run's sampler
+             (opd.sampling: an engine from a registry), tools run in the sandbox (opd.tools);
+             or, on an off-policy step, the same share of dataset completions
+             (loss.off_policy_fraction); a teacher that scores whole conversations scores them
+             here (opd.teachers);
 2. pack      varlen micro-batches; ranks agree on the micro-batch count (short ranks add empty
              ones) and on the step's global number of target tokens;
-3. teacher   per micro-batch, the teacher's final hidden states (no grad; none for
-             loss.direction=sft, whose loss is the cross-entropy of the completion's tokens);
-4. loss      the student's fused distillation loss, summed over target tokens and scaled by
+3. teacher   per micro-batch, the teacher's signal (opd.teachers.base: full distribution, top-k
+             or sampled tokens; no grad); none for loss.direction=sft, whose teacher is one-hot
+             on the completion's tokens;
+4. loss      the student's fused loss (opd.objective), summed over target tokens and scaled by
              world_size / global_targets: after data-parallel gradient averaging the gradient is
              that of the mean over every target token of the step, however they are split;
 5. step      clip and step at the scheduled learning rate, unless the loss or the gradient norm
@@ -20,7 +23,7 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,19 +35,22 @@ from tqdm import tqdm
 from opd import checkpoint, preemption
 from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
-from opd.dist import World, all_reduce, barrier, consecutive_group, lockstep, shorten_timeout
+from opd.dist import World, all_reduce, barrier, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
 from opd.eval import evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
-from opd.loss import fused_cross_entropy_loss, fused_distillation_loss
+from opd.loss import one_hot_teacher
 from opd.metrics import MetricsLog
-from opd.packing import PackedBatch, pack_varlen
+from opd.objective import DistillationHead
+from opd.packing import PackedBatch, empty_micro_batch, pack_varlen
 from opd.plugins import Plugins
-from opd.rollout import AgentTrajectory, rollout
+from opd.sampling import sampler_class
+from opd.sampling.base import Sampler, SamplerContext
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
-from opd.teacher import Teacher, build_teacher
+from opd.teachers import teacher_class
+from opd.teachers.base import SignalRequest, Teacher, TeacherSignal, open_head, packed_signal
 from opd.tools import ToolExecutor
-from opd.vllm_engine import MirroredEngine, VLLMEngine, check_servable
+from opd.trajectory import AgentTrajectory
 
 
 @dataclass
@@ -56,13 +62,12 @@ class Run:
     inputs: RunInputs
     world: World
     student: StudentEngine
-    teacher: Teacher
+    teacher: Teacher | None  # None: loss.direction=sft (the one-hot teacher needs no engine)
+    signal: SignalRequest  # what the loss asks of the teacher
+    sampler: Sampler
     executor: ToolExecutor
     log: MetricsLog
     start_step: int = 0
-    sampler: VLLMEngine | None = None  # rollout.engine=vllm: this rank's engine (or shard)
-    sampler_group: MirroredEngine | None = None  # rollout.vllm_tensor_parallel_size > 1
-    sampler_stale: bool = True  # the student stepped since its weights went to the sampler
     nonfinite_in_a_row: int = 0
     nonfinite_steps: int = 0
     # dataset name -> epoch -> shuffled record indices (a pure function of seed and epoch)
@@ -107,6 +112,9 @@ def train(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
         progress.close()
         run.log.close()
         run.executor.close()
+        run.sampler.close()
+        if run.teacher is not None:
+            run.teacher.close()
 
 
 def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> Run:
@@ -115,10 +123,9 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
     if world.is_main:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
-    if config.rollout.engine == "vllm":
-        check_servable(config.model.student, world, config.rollout.vllm_tensor_parallel_size)
     student = build_student(config.model.student, config.student, config.optim, world)
-    teacher = build_teacher(config.model.teacher, config.teacher, world)
+    teacher = teacher_class(config.teacher.engine).build(config, world) \
+        if config.loss.direction != "sft" else None
     executor = tool_executor(plugins.tool_registry, config.tools, plugins.environment)
     resume_from = resume_path(config)
     start_step = checkpoint.load(resume_from, student, world)["step"] if resume_from else 0
@@ -126,23 +133,17 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
                      wandb_mode=config.logging.wandb_mode,
                      wandb_project=config.logging.wandb_project, run_name=config.name,
                      config=to_dict(config))
-    sampler, sampler_group = None, None
-    if config.rollout.engine == "vllm":
-        tp_size = config.rollout.vllm_tensor_parallel_size
-        leader = world.rank - world.rank % tp_size
-        sampler = VLLMEngine(config.model.student, max_model_len=config.rollout.max_total_len,
-                             dtype=student.dtype, seed=config.seed + leader,
-                             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-                             tensor_parallel_size=tp_size,
-                             enable_sleep_mode=world.device.type == "cuda")
-        if tp_size > 1:  # control messages only: gloo, on any device
-            sampler_group = MirroredEngine(sampler, consecutive_group(world, tp_size, "gloo"),
-                                           leader, world.rank == leader)
-        if world.device.type == "cuda":
-            sampler.sleep()  # until the first rollout: training needs the memory first
+    sampler = sampler_class(config.rollout.engine)(SamplerContext(
+        config, world, student, inputs.chat, executor, plugins.parser, inputs.vocab_size))
     return Run(config=config, plugins=plugins, inputs=inputs, world=world, student=student,
-               teacher=teacher, executor=executor, log=log, start_step=start_step,
-               sampler=sampler, sampler_group=sampler_group)
+               teacher=teacher, signal=signal_request(config, inputs.vocab_size),
+               sampler=sampler, executor=executor, log=log, start_step=start_step)
+
+
+def signal_request(config: Config, vocab_size: int) -> SignalRequest:
+    """What the loss asks of the teacher: `teacher.signal`, or the direction's own need."""
+    kind = config.teacher.signal if config.teacher.signal != "auto" else "distribution"
+    return SignalRequest(kind, vocab_size, config.loss.temperature, config.teacher.top_k)
 
 
 def resume_path(config: Config) -> Path | None:
@@ -158,8 +159,8 @@ def resume_path(config: Config) -> Path | None:
 
 def train_step(run: Run, step: int) -> dict:
     started = time.perf_counter()
-    trajectories, is_off_policy, sampler_metrics = collect(run, step)
-    rollout_s = time.perf_counter() - started
+    trajectories, is_off_policy, collect_metrics = collect(run, step)
+    rollout_s = time.perf_counter() - started - collect_metrics.get("teacher_collect_s", 0.0)
     learned = optimize(run, trajectories, step)
     valid, invalid, failed, truncated, conversations, tokens = all_reduce(
         [sum(t.counts.valid for t in trajectories), sum(t.counts.invalid for t in trajectories),
@@ -172,149 +173,49 @@ def train_step(run: Run, step: int) -> dict:
         "invalid_tool_calls": int(invalid), "failed_tool_calls": int(failed),
         "truncation_rate": truncated / max(conversations, 1.0),
         "rollout_s": round(rollout_s, 4), "step_s": round(step_s, 4),
-        "tokens_per_s": learned["target_tokens"] / step_s, **sampler_metrics,
+        "tokens_per_s": learned["target_tokens"] / step_s, **collect_metrics,
     }
 
 
 def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
     """Stage 1: this rank's trajectories for `step`, whether they are off-policy, and the
-    vLLM sampler's metrics (weight sync seconds, log-prob gap) when it sampled them."""
+    sampler's metrics; a per-conversation teacher scores them here."""
     config, world = run.config, run.world
-    if off_policy(config, step):
-        return step_records(run.inputs.completions, step, config, world.rank, world.world_size,
-                            run.epoch_orders.setdefault("completions", {})), True, {}
-    prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
-                           run.epoch_orders.setdefault("prompts", {}))
-    seed = rollout_seed(config, step, world.rank)
-    if run.sampler is not None:
-        # On GPU vLLM sleeps while the student trains: its KV cache and weights leave the device.
-        sleeps = world.device.type == "cuda"
-        if sleeps:
-            run.sampler.wake_up()
-        sync_s = sync_sampler(run, run.sampler)
-        trajectories = sample_with_vllm(run, prompts, seed)
-        if sleeps:
-            run.sampler.sleep()
-        return trajectories, False, {"sync_s": round(sync_s, 4),
-                                     **sampler_logprob_gap(run, trajectories)}
-    gather = config.student.generation_gather == "once"
-    sync = lockstep() if world.distributed and not gather else None
-    with run.student.generation_context(gather) as model:
-        trajectories = rollout(model, run.inputs.chat, run.executor, prompts, config.rollout,
-                               seed=seed, parser=run.plugins.parser, sync=sync,
-                               vocab_size=run.inputs.vocab_size)
-    return trajectories, False, {}
-
-
-def sample_with_vllm(run: Run, prompts: list[dict], seed: int) -> list[AgentTrajectory]:
-    """This rank's trajectories from the vLLM engine: its own engine's, or, for a group of ranks
-    sharing one tensor-parallel engine, its share of what the group's first rank sampled for all
-    the group's prompts (with that rank's seed) while the others mirrored its engine calls."""
-    def sample(records: list[dict], engine) -> list[AgentTrajectory]:
-        return rollout(None, run.inputs.chat, run.executor, records, run.config.rollout,
-                       seed=seed, parser=run.plugins.parser, vocab_size=run.inputs.vocab_size,
-                       engine=engine)
-
-    group = run.sampler_group
-    if group is None:
-        return sample(prompts, run.sampler)
-    import torch.distributed as dist
-
-    shares: list | None = [None] * dist.get_world_size(group.group) if group.is_leader else None
-    dist.gather_object(prompts, shares, dst=group.leader, group=group.group)
-    if group.is_leader:
-        assert shares is not None
-        try:
-            trajectories = sample([record for share in shares for record in share], group)
-        finally:
-            group.finish()
-        starts = [0, *itertools.accumulate(len(share) for share in shares)]
-        shares = [trajectories[a:b] for a, b in zip(starts, starts[1:])]
+    metrics: dict = {}
+    is_off_policy = off_policy(config, step)
+    if is_off_policy:
+        trajectories = step_records(run.inputs.completions, step, config, world.rank,
+                                    world.world_size,
+                                    run.epoch_orders.setdefault("completions", {}))
     else:
-        group.follow()
-    mine: list = [None]
-    dist.scatter_object_list(mine, shares, src=group.leader, group=group.group)
-    return mine[0]
+        prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
+                               run.epoch_orders.setdefault("prompts", {}))
+        trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank))
+        metrics.update(run.sampler.metrics())
+    if run.teacher is not None and run.teacher.per_conversation:
+        tick = time.perf_counter()
+        # Copies: dataset completions are reused by later steps and must not keep scores.
+        trajectories = [dataclasses.replace(t) for t in trajectories]
+        run.teacher.score_conversations(trajectories, run.signal)
+        metrics["teacher_collect_s"] = round(time.perf_counter() - tick, 4)
+    return trajectories, is_off_policy, metrics
 
 
-def sync_sampler(run: Run, sampler: VLLMEngine) -> float:
-    """Stream the student's weights into vLLM if a step changed them; the seconds it took."""
-    if not run.sampler_stale:
-        return 0.0
-    started = time.perf_counter()
-    sampler.load_weights(run.student.full_parameters())
-    run.sampler_stale = False
-    return time.perf_counter() - started
+def teacher_signal(run: Run, batch: PackedBatch,
+                   trajectories: list[AgentTrajectory]) -> TeacherSignal:
+    """Stage 3: the teacher's signal for one micro-batch (collective for sharded teachers)."""
+    if run.teacher is None:  # SFT: the labels, position i predicting token i + 1
+        return one_hot_teacher(batch.input_ids[0].roll(-1))
+    if run.teacher.per_conversation:
+        signal = packed_signal(batch, trajectories, run.signal, run.teacher.head)
+        return _to_device(signal, run.world.device)
+    return run.teacher.score_micro_batch(batch, run.signal)
 
 
-@torch.no_grad()
-def sampler_logprob_gap(run: Run, trajectories: list[AgentTrajectory]) -> dict:
-    """Mean and max |log-prob under vLLM - log-prob under the student's own forward| over the
-    sampled tokens of this rank: near zero when the weight sync is right (what TRL and verl
-    log). Costs one extra forward of the student per conversation, with the student gathered
-    as generation_gather=once does (ranks hold different numbers of conversations)."""
-    gaps = []
-    temperature = run.config.rollout.temperature
-    vocab = run.inputs.vocab_size
-    with run.student.generation_context(True) as model:
-        for trajectory in trajectories:
-            targets = [i for i, target in enumerate(trajectory.assistant_mask) if target]
-            if not targets:
-                continue
-            ids_1T = torch.tensor([trajectory.input_ids], device=run.world.device)
-            logits_TV = model(input_ids=ids_1T, use_cache=False).logits[0, :, :vocab]
-            logprobs_TV = torch.log_softmax(logits_TV.float() / temperature, dim=-1)
-            positions = torch.tensor(targets, device=ids_1T.device)
-            trained = logprobs_TV[positions - 1, ids_1T[0, positions]]
-            sampled = torch.tensor(trajectory.logprobs, device=trained.device)
-            gaps.append((trained - sampled).abs())
-    gap = torch.cat(gaps) if gaps else torch.zeros(1)
-    total, count = all_reduce([float(gap.sum()), float(gap.numel())])
-    return {"sampler_logprob_gap_mean": total / max(count, 1.0),
-            "sampler_logprob_gap_max": all_reduce([float(gap.max())], op="max")[0]}
-
-
-@dataclass
-class DistillationHead:
-    """The student's loss on one micro-batch, given the teacher's side of it: called by the
-    student engine inside its forward with its final hidden states and lm_head."""
-
-    teacher_hidden_NH: torch.Tensor
-    teacher_weight_VH: torch.Tensor
-    teacher_bias_V: torch.Tensor | None
-    target_mask_N: torch.Tensor
-    config: Config
-    vocab_size: int
-
-    def __call__(self, hidden_NH, weight_VH, bias_V) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of the per-token loss over targets, and the target count."""
-        loss = self.config.loss
-        loss_sum = fused_distillation_loss(
-            hidden_NH, weight_VH, self.teacher_hidden_NH, self.teacher_weight_VH,
-            self.target_mask_N, student_bias=bias_V, teacher_bias=self.teacher_bias_V,
-            vocab_size=self.vocab_size, chunk_size=loss.chunk_size or None,
-            temperature=loss.temperature, direction=loss.direction, beta=loss.beta,
-            reduction="sum")
-        return loss_sum, self.target_mask_N.sum()
-
-
-@dataclass
-class CrossEntropyHead:
-    """The student's SFT loss on one micro-batch (loss.direction=sft): no teacher."""
-
-    labels_N: torch.Tensor  # the token each position predicts: input_ids shifted left by one
-    target_mask_N: torch.Tensor
-    config: Config
-    vocab_size: int
-
-    def __call__(self, hidden_NH, weight_VH, bias_V) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of the per-token cross-entropy over targets, and the target count."""
-        loss = self.config.loss
-        loss_sum = fused_cross_entropy_loss(
-            hidden_NH, weight_VH, self.labels_N, self.target_mask_N, student_bias=bias_V,
-            vocab_size=self.vocab_size, chunk_size=loss.chunk_size or None,
-            temperature=loss.temperature, reduction="sum")
-        return loss_sum, self.target_mask_N.sum()
+def _to_device(signal: TeacherSignal, device: torch.device) -> TeacherSignal:
+    return dataclasses.replace(signal, **{  # type: ignore[arg-type]
+        f.name: value.to(device) for f in dataclasses.fields(signal)
+        if isinstance(value := getattr(signal, f.name), torch.Tensor)})
 
 
 def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
@@ -329,22 +230,16 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     for batch in batches:
         batch = batch.to(world.device)
         tick = time.perf_counter()
-        if config.loss.direction == "sft":
-            # Position i predicts token i + 1; the last label is never a target.
-            sft_head = CrossEntropyHead(batch.input_ids[0].roll(-1), batch.target_mask[0],
-                                        config, run.inputs.vocab_size)
-            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, sft_head)
-            run.student.backward(batch_sum * scale)
-        else:
-            teacher_hidden = run.teacher.hidden_states(batch.input_ids, batch.position_ids)
+        signal = teacher_signal(run, batch, trajectories)
+        if run.teacher is not None:
             teacher_s += time.perf_counter() - tick
             teacher_tokens += batch.num_tokens
             tick = time.perf_counter()
-            with run.teacher.lm_head() as (teacher_weight, teacher_bias):
-                head = DistillationHead(teacher_hidden, teacher_weight, teacher_bias,
-                                        batch.target_mask[0], config, run.inputs.vocab_size)
-                batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
-                run.student.backward(batch_sum * scale)
+        with open_head(signal) as teacher_head:
+            head = DistillationHead(signal, teacher_head, batch.target_mask[0], config.loss,
+                                    run.inputs.vocab_size)
+            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
+            run.student.backward(batch_sum * scale)
         loss_sum += float(batch_sum.detach())
         train_s += time.perf_counter() - tick
     total_loss, global_teacher_tokens = all_reduce([loss_sum, teacher_tokens])
@@ -354,7 +249,8 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     lr = learning_rate(step, config.optim, config.train.steps)
     grad_norm, applied = run.student.step(lr, skip=not math.isfinite(loss))
     train_s += time.perf_counter() - tick
-    run.sampler_stale = run.sampler_stale or applied
+    if applied:
+        run.sampler.weights_changed()
     guard_nonfinite(run, step, loss, grad_norm, applied)
     # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
     # KL per target token between the temperature-scaled distributions (none for jsd and sft).
@@ -376,14 +272,6 @@ def pack(run: Run, trajectories: list[AgentTrajectory]) -> tuple[list[PackedBatc
     global_targets, = all_reduce([sum(b.num_targets for b in batches)])
     empty = empty_micro_batch(run.inputs.chat.pad_token_id)
     return batches + [empty] * int(most_batches - len(batches)), global_targets
-
-
-def empty_micro_batch(pad_token_id: int) -> PackedBatch:
-    """Two tokens, no targets: a rank with fewer micro-batches runs these to stay in lockstep."""
-    return PackedBatch(input_ids=torch.full((1, 2), pad_token_id, dtype=torch.long),
-                       position_ids=torch.arange(2)[None],
-                       target_mask=torch.zeros((1, 2), dtype=torch.bool),
-                       cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), trajectory_index=[])
 
 
 def guard_nonfinite(run: Run, step: int, loss: float, grad_norm: float, applied: bool) -> None:

@@ -50,7 +50,7 @@ class ScriptedPolicy(torch.nn.Module):
 
 
 class ScriptedEngine(ScriptedPolicy):
-    """The same scripts served the way opd.vllm_engine.VLLMEngine serves turns to the rollout:
+    """The same scripts served the way opd.sampling.vllm_engine.VLLMEngine serves turns to the rollout:
     each turn submitted on its own and returned by a later `step`, after a number of steps drawn
     from the request's seed, so turns finish out of submission order and the per-conversation
     schedule (tools on their lane while other turns generate) runs without vLLM installed. Still

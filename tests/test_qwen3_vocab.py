@@ -14,12 +14,13 @@ from qwen3_tokenizer import QWEN3_VOCAB_SIZE
 
 from opd.backends import DistillModule, load_causal_lm
 from opd.chat import ChatFormat
-from opd.config import ModelConfig
+from opd.config import Config, ModelConfig
+from opd.dist import World
 from opd.errors import VocabularyError
 from opd.inputs import check_vocabulary
 from opd.loss import fused_distillation_loss
 from opd.packing import pack_varlen
-from opd.teacher import ReplicatedTeacher
+from opd.teachers.in_process import ReplicatedTeacher
 from opd.trajectory import AgentTrajectory
 
 PADDED_VOCAB = 152064  # Qwen2.5-7B+ and some Qwen3 derivatives pad to 152,064 rows
@@ -46,9 +47,11 @@ def padded_pair(real_qwen3_tokenizer, tmp_path_factory):
 def test_padded_vocabularies_distil_over_the_shared_rows(real_qwen3_tokenizer, padded_pair):
     student_dir, teacher_dir = padded_pair
     student = load_causal_lm(str(student_dir), torch.float32, "sdpa", "model.student")
+    one_cpu_rank = World(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                         device=torch.device("cpu"))
     teacher = ReplicatedTeacher(
-        load_causal_lm(str(teacher_dir), torch.float32, "sdpa", "model.teacher"),
-        torch.device("cpu"))
+        Config(), load_causal_lm(str(teacher_dir), torch.float32, "sdpa", "model.teacher"),
+        one_cpu_rank, torch.float32)
     vocab = check_vocabulary(ModelConfig(student=str(student_dir), teacher=str(teacher_dir)),
                              real_qwen3_tokenizer)
     assert vocab == QWEN3_VOCAB_SIZE
@@ -59,7 +62,7 @@ def test_padded_vocabularies_distil_over_the_shared_rows(real_qwen3_tokenizer, p
     mask = batch.target_mask[0]
     teacher_hidden = teacher.hidden_states(batch.input_ids, batch.position_ids)
     root = DistillModule(student)
-    with teacher.lm_head() as (teacher_weight, teacher_bias):
+    with teacher.head() as (teacher_weight, teacher_bias):
         def head_loss(hidden, weight, bias):
             loss = fused_distillation_loss(
                 hidden, weight, teacher_hidden, teacher_weight, mask, student_bias=bias,

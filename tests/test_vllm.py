@@ -29,7 +29,7 @@ from opd.config import RolloutConfig
 from opd.dist import World
 from opd.errors import ConfigError
 from opd.rollout import rollout
-from opd.vllm_engine import check_servable
+from opd.sampling.vllm import check_servable
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_CPU_RANK = World(rank=0, world_size=1, local_rank=0, local_world_size=1,
@@ -78,7 +78,7 @@ def caller(compact_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(caller):
-    from opd.vllm_engine import VLLMEngine
+    from opd.sampling.vllm_engine import VLLMEngine
     return VLLMEngine(str(caller[1]), max_model_len=1024, dtype=torch.float32, seed=0)
 
 
@@ -233,7 +233,7 @@ def test_a_tied_output_embedding_follows_its_new_weights(compact_tokenizer, tmp_
     logits (on CPU vLLM computes them from a packed copy that must be rebuilt)."""
     from conftest import build_tiny_model
 
-    from opd.vllm_engine import VLLMEngine
+    from opd.sampling.vllm_engine import VLLMEngine
     model = build_tiny_model(compact_tokenizer, tmp_path, hidden_size=128,
                              tie_word_embeddings=True).eval()
     engine = VLLMEngine(str(tmp_path), max_model_len=256, dtype=torch.float32, seed=0)

@@ -200,6 +200,13 @@ def decoder_layers(model: PreTrainedModel) -> Iterator[nn.Module]:
     return iter(layers)
 
 
+def check_student(student: StudentConfig) -> None:
+    """Refuse, before any engine starts, a student engine config that cannot work."""
+    if student.backend == "deepspeed":
+        from opd.backends.deepspeed import read_json_config  # heavy: deepspeed
+        read_json_config(student.deepspeed_config, "student.deepspeed_config")
+
+
 def build_student(model_path: str, student: StudentConfig, optim: OptimConfig,
                   world: World) -> StudentEngine:
     """The student engine `student.backend` names, loaded from `model_path` (model.student)."""

