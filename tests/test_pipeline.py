@@ -63,6 +63,24 @@ def test_plugins_and_bounds_fail_in_one_sentence_before_any_engine(world_dir, ov
     assert not (world_dir / "never").exists()  # nothing started
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["student.deepspeed_config={tmp}/missing.json"],
+     "student.deepspeed_config: DeepSpeed config {tmp}/missing.json does not exist."),
+    (["teacher.deepspeed_config={tmp}/broken.json"], "{tmp}/broken.json line 2 is not valid JSON"),
+    (["teacher.engine=tensor_parallel", "teacher.tp_size=3"],
+     "teacher.tp_size=3 must divide the world size 1."),
+    (["rollout.engine=sglang"], "rollout.engine must be one of hf, vllm"),
+])
+def test_engine_checks_refuse_before_any_evaluation(world_dir, tmp_path, overrides, message):
+    (tmp_path / "broken.json").write_text('{\n  "zero_optimization": {,\n}')
+    result = train(world_dir, *(o.format(tmp=tmp_path) for o in overrides),
+                   "eval.before=true", "eval.teacher=true", "logging.progress=true",
+                   "logging.run_dir=" + str(tmp_path / "run"))
+    assert message.format(tmp=tmp_path) in one_sentence(result)
+    assert "eval model." not in result.stderr  # refused before the teacher's evaluation began
+    assert not (tmp_path / "run" / "eval.json").exists()
+
+
 def test_a_prompt_over_the_budget_names_file_and_line_before_any_engine(world_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     lines = (world_dir / "prompts.jsonl").read_text().splitlines()
