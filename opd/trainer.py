@@ -143,7 +143,9 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
 def signal_request(config: Config, vocab_size: int) -> SignalRequest:
     """What the loss asks of the teacher: `teacher.signal`, or the direction's own need."""
     kind = config.teacher.signal if config.teacher.signal != "auto" else "distribution"
-    return SignalRequest(kind, vocab_size, config.loss.temperature, config.teacher.top_k)
+    # A k past the vocabulary is the whole distribution as top-k (no tail).
+    return SignalRequest(kind, vocab_size, config.loss.temperature,
+                         min(config.teacher.top_k, vocab_size))
 
 
 def resume_path(config: Config) -> Path | None:

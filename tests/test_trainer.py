@@ -221,6 +221,29 @@ def test_resumed_run_repeats_the_uninterrupted_one(world_dir, tmp_path, backend,
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (want["step"], key)
 
 
+def test_a_teacher_that_scores_conversations_trains_like_one_inside_the_step(world_dir, tmp_path):
+    """Two ZeRO-Inference ranks with unequal conversation counts: scoring each finished
+    conversation at collect time (hidden states, or top-k of the whole vocabulary) trains
+    exactly like scoring the packed micro-batches inside the step."""
+    common = ["--recipe", str(world_dir / "recipe.yaml"), "train.steps=2", "eval.every=0",
+              "loss.off_policy_fraction=0.5", "teacher.engine=zero_inference",
+              "train.prompts_per_step=3"]
+    runs = {"micro_batch": [], "conversation": [],
+            "topk": ["teacher.signal=topk", "teacher.top_k=1000000"]}
+    for name, extra in runs.items():
+        scoring = "micro_batch" if name == "micro_batch" else "conversation"
+        launch("deepspeed", "launch/train.py", *common, f"teacher.scoring={scoring}", *extra,
+               f"logging.run_dir={tmp_path / name}")
+    expected = read_metrics(tmp_path / "micro_batch" / "metrics.jsonl")
+    for name in ("conversation", "topk"):
+        got = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [r["step"] for r in got] == [1, 2]
+        for want, have in zip(expected, got):
+            for key in COMPARED:
+                assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (name, key)
+        assert all("teacher_collect_s" in r for r in got)
+
+
 def test_plain_python_is_a_world_of_one(world_dir, tmp_path):
     launch("python", "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
            "train.steps=1", "student.backend=fsdp", "teacher.engine=replicated",
