@@ -81,7 +81,8 @@ if TYPE_CHECKING:
 DIRECTIONS = divergences.names("distribution")
 REDUCTIONS = ("mean", "sum")
 # Rows per chunk default to about this many logits (48 MB per fp32 buffer; up to four are live,
-# opd.divergences counts them), but never fewer than MIN_CHUNK_ROWS, below which the chunk matmuls lose speed.
+# opd.divergences counts them), but never fewer than MIN_CHUNK_ROWS, below which the chunk
+# matmuls lose speed.
 CHUNK_ELEMENTS = 3 << 22
 MIN_CHUNK_ROWS = 128
 
