@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from opd import divergences
 from opd.errors import ConfigError
 from opd.sampling import SAMPLERS
 from opd.teachers import TEACHERS
@@ -130,14 +131,61 @@ class ToolsConfig:
 
 @dataclass
 class LossConfig:
-    # sft: cross-entropy on the tokens of data.completions (no teacher), a baseline to OPD
-    direction: Literal["forward_kl", "reverse_kl", "jsd", "sft"] = "forward_kl"
+    """The training loss; opd.divergences declares the directions, opd.loss_sampled's docstring
+    gives the sampled_reverse_kl formulas that the keys after `off_policy_fraction` enter."""
+
+    # A name in opd.divergences: forward_kl, reverse_kl, jsd (full vocabulary), sft (the
+    # cross-entropy of data.completions' tokens, no teacher), sampled_reverse_kl (policy-gradient
+    # form from the teacher's log-prob of each sampled token, plus an optional task reward).
+    direction: str = rule(lambda v: v in divergences.REGISTRY,
+                          f"one of {', '.join(divergences.NAMES)}", "forward_kl")
     beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
     temperature: float = positive(1.0)
     chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
     # Fraction of steps trained on dataset completions instead of the student's own samples:
     # the complement of GKD's (and TRL's) lambda, which is the on-policy fraction.
     off_policy_fraction: float = within(0, 1, 0.0)
+    # sampled_reverse_kl only (any other direction refuses a value other than the default):
+    # k1: advantage -(log p - log q), the reverse-KL gradient in expectation; k3: the k3 estimate
+    # as a loss through log p, whose gradient is the FORWARD KL's in expectation.
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    # Weight of the teacher term; 0 with reward_weight > 0 is pure RL (no teacher is started).
+    distill_weight: float = at_least(0, 1.0)
+    reward_weight: float = at_least(0, 0.0)  # weight of the task reward's advantage
+    # Truncated importance weights min(p_learner / p_sampler, cap) on each sampled token; 0: off.
+    importance_cap: float = rule(lambda v: v == 0 or v >= 1, "0 (off) or at least 1", 0.0)
+    advantage_clip: float = at_least(0, 0.0, " (0 disables clipping)")  # |per-token advantage|
+    # Rewards of one prompt's samples -> advantages (opd.rewards): mean_std (GRPO), mean,
+    # leave_one_out (RLOO), none (the raw reward).
+    advantage_norm: Literal["mean_std", "mean", "leave_one_out", "none"] = "mean_std"
+
+    def problem(self) -> tuple[str, str] | None:
+        """(key, sentence) of the first rule across this section's keys that fails, or None."""
+        if self.direction != "sampled_reverse_kl":
+            defaults = LossConfig(direction="sampled_reverse_kl")
+            for key in SAMPLED_ONLY_KEYS:
+                if getattr(self, key) != getattr(defaults, key):
+                    return (f"loss.{key}", f"loss.{key} applies only to loss.direction="
+                            f"sampled_reverse_kl (a full-vocabulary or sft loss takes no task "
+                            f"reward or sampled-token options); leave it at "
+                            f"{getattr(defaults, key)!r} with loss.direction={self.direction}.")
+        elif self.off_policy_fraction > 0:
+            return ("loss.off_policy_fraction", "loss.off_policy_fraction must be 0 with "
+                    "loss.direction=sampled_reverse_kl: its estimator needs tokens the student "
+                    "sampled, and dataset completions are not.")
+        if self.distill_weight == 0 and self.reward_weight == 0:
+            return ("loss.distill_weight", "loss.distill_weight and loss.reward_weight are both "
+                    "0, so nothing would be trained; set one of them above 0.")
+        return None
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A teacher engine is started only when the loss reads one (not sft, not pure RL)."""
+        return divergences.get(self.direction).needs_teacher and self.distill_weight > 0
+
+
+SAMPLED_ONLY_KEYS = ("kl_estimator", "distill_weight", "reward_weight", "importance_cap",
+                     "advantage_clip", "advantage_norm")
 
 
 @dataclass
@@ -533,6 +581,9 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
                    f"train.micro_batch_tokens={config.train.micro_batch_tokens} must be at least "
                    f"rollout.max_total_len={config.rollout.max_total_len}, so the longest "
                    "conversation fits one micro-batch.")
+    loss_problem = config.loss.problem()
+    if loss_problem is not None:
+        raise fail(*loss_problem)
     if config.loss.direction == "sft" and config.loss.off_policy_fraction != 1:
         raise fail("loss.off_policy_fraction", "loss.direction=sft trains on data.completions "
                    "only, so loss.off_policy_fraction must be 1.")

@@ -6,11 +6,14 @@ chunks of `chunk_size` rows, and for each chunk forms the student and teacher lo
 the row losses and the gradient of the student logits, and folds that gradient straight into
 what the inputs need: the rows of a logits gradient, or d hidden and d lm_head (and d bias) when
 the logits come from hidden states. Backward is then only a scale. Peak extra memory is three
-(jsd: four) [chunk, vocab] fp32 buffers, reused by every chunk, plus gradients the size of the
-inputs: [N, H] and [V, H] (fp32) when fused, the logits' own size when starting from logits.
-On CPU, fused: 0.07x the seed's peak extra memory and about half its time (bench/kl.py).
-`distillation_loss` is the seed's function; `fused_distillation_loss` starts from hidden states;
-`fused_cross_entropy_loss` is SFT's cross-entropy through the same path (a one-hot teacher).
+(jsd: four, cross-entropy: two) [chunk, vocab] fp32 buffers, reused by every chunk, plus
+gradients the size of the inputs: [N, H] and [V, H] (fp32) when fused, the logits' own size when
+starting from logits. On CPU, fused: 0.07x the seed's peak extra memory and about half its time
+(bench/kl.py). `distillation_loss` is the seed's function; `fused_distillation_loss` starts from
+hidden states; `fused_cross_entropy_loss` is SFT's cross-entropy through the same path (forward
+KL to a one-hot teacher, read off as the label's log-prob), optionally weighted per token: the
+sampled-token estimator (opd.loss_sampled) is that weighted cross-entropy. opd.divergences
+declares each direction, the teacher signal it reads and its kernel in opd.loss_parallel.
 
 Directions (TRL / Liger GKD conventions, p = student, q = teacher, both at `temperature`):
 forward_kl = KL(q || p); reverse_kl = KL(p || q); jsd = beta * KL(q || m) + (1 - beta) *
@@ -70,15 +73,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opd import loss_parallel
+from opd import divergences, loss_parallel
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-DIRECTIONS = ("forward_kl", "reverse_kl", "jsd")
+DIRECTIONS = divergences.names("distribution")
 REDUCTIONS = ("mean", "sum")
-# Rows per chunk default to about this many logits (48 MB per fp32 buffer; three are live, four
-# for jsd), but never fewer than MIN_CHUNK_ROWS, below which the chunk matmuls lose speed.
+# Rows per chunk default to about this many logits (48 MB per fp32 buffer; up to four are live,
+# opd.divergences counts them), but never fewer than MIN_CHUNK_ROWS, below which the chunk
+# matmuls lose speed.
 CHUNK_ELEMENTS = 3 << 22
 MIN_CHUNK_ROWS = 128
 
@@ -126,10 +130,17 @@ class _Teacher:
     topk: TopKTeacher | None = None
 
 
+# (row losses [C], first row, end row) of a chunk of target rows (in target-mask order) ->
+# (the rows' loss values [C], the weights [C] their logit gradients are multiplied by).
+RowWeights = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class _Plan:
     rows: tuple  # index tensors into the leading (token) dims of every per-token input
     teacher: _Teacher
+    labels: torch.Tensor | None  # [...] token ids: the one-hot teacher of the labels kernel
+    row_weights: RowWeights | None
     width: int  # vocabulary columns used on this rank: [0, width) of its logits or lm_head rows
     offset: int  # global vocabulary index of this rank's column 0
     temperature: float
@@ -167,8 +178,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=dtype) if need_bias else None
         weight_used = weight[:width] if fused else None
         bias_used = None if bias is None else bias[:width]
-        # Reused by every chunk: three (jsd: four) [chunk, width] buffers are the working set.
-        buffers = 4 if plan.direction == "jsd" else 3
+        # Reused by every chunk: these [chunk, width] buffers are the working set.
+        buffers = divergences.get(plan.direction).chunk_buffers
         workspace = [student.new_empty(min(plan.chunk_size, num_rows), width, dtype=dtype)
                      for _ in range(buffers)]
         for start in range(0, num_rows, plan.chunk_size):
@@ -178,6 +189,10 @@ class _ChunkedDistillation(torch.autograd.Function):
             args = (student, weight_used, bias_used, plan, rows, chunk_workspace, need_grad)
             loss_C, grad_CV = loss_parallel.chunk_loss_and_grad(*args, careful=False) \
                 or loss_parallel.chunk_loss_and_grad(*args, careful=True)
+            if plan.row_weights is not None:
+                loss_C, weight_C = plan.row_weights(loss_C, start, stop)
+                if grad_CV is not None:
+                    grad_CV.mul_(weight_C[:, None])
             loss += loss_C.sum(dtype=torch.float64)
             if not need_grad:
                 continue
@@ -274,13 +289,7 @@ def fused_distillation_loss(
     selects the target tokens (all when None). Gradients flow to student_hidden,
     student_lm_head_weight and student_bias.
     """
-    lead = tuple(student_hidden.shape[:-1])
-    weight_shape = tuple(student_lm_head_weight.shape)
-    if student_hidden.ndim < 2 or len(weight_shape) != 2 \
-            or weight_shape[1] != student_hidden.shape[-1]:
-        raise ValueError(f"Student hidden {tuple(student_hidden.shape)} and student lm_head "
-                         f"weight {weight_shape} must be [..., H] and [vocab, H]")
-    _check_bias("student_bias", student_bias, weight_shape[0])
+    lead = _check_student(student_hidden, student_lm_head_weight, student_bias)
     if (teacher_lm_head_weight is not None) + (teacher_logits_fn is not None) \
             + (teacher_topk is not None) != 1:
         raise ValueError("Give exactly one teacher: teacher_lm_head_weight (with teacher_hidden), "
@@ -302,60 +311,61 @@ def fused_distillation_loss(
                          "teacher_logits_fn closes over its own inputs")
     if teacher_topk is not None:
         _check_topk(teacher_topk, lead)
-    if target_mask is None:
-        target_mask = torch.ones(lead, dtype=torch.bool, device=student_hidden.device)
-    elif tuple(target_mask.shape) != lead:
-        raise ValueError(f"Target mask {tuple(target_mask.shape)} must match the hidden states' "
-                         f"token dims {lead}")
+    mask = _token_mask(target_mask, lead, student_hidden.device)
     direction = _check_options(temperature, direction, beta, reduction, chunk_size)
-    width, offset = _vocab_layout(weight_shape[0], teacher_width, vocab_size,
+    width, offset = _vocab_layout(student_lm_head_weight.shape[0], teacher_width, vocab_size,
                                   vocab_parallel_group)
     teacher = _Teacher(
         hidden=None if teacher_hidden is None else teacher_hidden.detach(),
         weight=None if teacher_lm_head_weight is None else teacher_lm_head_weight.detach(),
         bias=None if teacher_bias is None else teacher_bias.detach(),
         logits_fn=teacher_logits_fn, topk=teacher_topk)
-    return _run(student_hidden, student_lm_head_weight, student_bias, _bool_mask(target_mask),
-                teacher, width, offset, float(temperature), direction, beta, reduction,
-                chunk_size, vocab_parallel_group)
+    return _run(student_hidden, student_lm_head_weight, student_bias, mask, teacher, width,
+                offset, float(temperature), direction, beta, reduction, chunk_size,
+                vocab_parallel_group)
 
 
 def fused_cross_entropy_loss(
         student_hidden: torch.Tensor, student_lm_head_weight: torch.Tensor,
         labels: torch.Tensor, target_mask: torch.Tensor | None = None, *,
         student_bias: torch.Tensor | None = None, vocab_size: int | None = None,
-        chunk_size: int | None = None, temperature: float = 1.0,
-        reduction: str = "mean") -> torch.Tensor:
+        chunk_size: int | None = None, temperature: float = 1.0, reduction: str = "mean",
+        row_weights: RowWeights | None = None,
+        vocab_parallel_group: ProcessGroup | None = None) -> torch.Tensor:
     """Cross-entropy of `labels` [...] (SFT), formed chunk by chunk from hidden states.
 
-    The same computation as `fused_distillation_loss`: forward KL to a teacher sure of each
-    label is exactly the label's negative log-likelihood (the teacher's entropy is zero), so
-    SFT shares the chunked implementation, its memory bound and its vocabulary handling.
+    The forward KL to a teacher sure of each label: exactly the label's negative log-likelihood
+    (the teacher's entropy is zero), read off by the same chunked pass as
+    `fused_distillation_loss`, with its memory bound and its vocabulary handling, in two
+    [chunk, vocab] buffers. `row_weights` turns it into a per-token-weighted cross-entropy: it
+    receives each chunk's row losses -log p(label) and returns the rows' loss values and the
+    weights of their gradients (opd.loss_sampled builds the policy-gradient estimator this way).
     """
-    if labels.is_floating_point() or tuple(labels.shape) != tuple(student_hidden.shape[:-1]):
+    lead = _check_student(student_hidden, student_lm_head_weight, student_bias)
+    if labels.is_floating_point() or tuple(labels.shape) != lead:
         raise ValueError(f"Labels {tuple(labels.shape)} must be integer token ids, one per "
-                         f"hidden state {tuple(student_hidden.shape[:-1])}")
-    return fused_distillation_loss(
-        student_hidden, student_lm_head_weight, target_mask=target_mask,
-        student_bias=student_bias, teacher_topk=one_hot_teacher(labels), vocab_size=vocab_size,
-        chunk_size=chunk_size, temperature=temperature, direction="forward_kl",
-        reduction=reduction)
-
-
-def one_hot_teacher(labels: torch.Tensor) -> TopKTeacher:
-    """A TopKTeacher with all its mass on `labels`."""
-    # The lowest finite log-prob rather than -inf for the empty rest: 0 * -inf would make every
-    # chunk take the loss's NaN-guarded second pass, for the same value.
-    rest = torch.full(labels.shape, torch.finfo(torch.float32).min, device=labels.device)
-    return TopKTeacher(labels[..., None], torch.zeros(*labels.shape, 1, device=labels.device),
-                       rest)
+                         f"hidden state {lead}")
+    mask = _token_mask(target_mask, lead, student_hidden.device)
+    _check_scalars(temperature, reduction, chunk_size)
+    group = vocab_parallel_group
+    width, offset = _vocab_layout(student_lm_head_weight.shape[0], None, vocab_size, group)
+    shards = 1 if group is None else torch.distributed.get_world_size(group)
+    vocab = vocab_size or student_lm_head_weight.shape[0] * shards
+    targets = labels[mask]
+    if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < vocab:
+        raise ValueError(f"Labels at target positions must be token ids in [0, {vocab}), got "
+                         f"ids from {int(targets.min())} to {int(targets.max())}")
+    return _run(student_hidden, student_lm_head_weight, student_bias, mask, _Teacher(), width,
+                offset, float(temperature), "sft", 0.0, reduction, chunk_size, group,
+                labels=labels, row_weights=row_weights)
 
 
 def _run(student, weight, bias, mask, teacher, width, offset, temperature, direction, beta,
-         reduction, chunk_size, group):
+         reduction, chunk_size, group, labels=None, row_weights=None):
     rows = mask.nonzero(as_tuple=True)
     count = rows[0].numel()
-    plan = _Plan(rows=rows, teacher=teacher, width=width, offset=offset,
+    plan = _Plan(rows=rows, teacher=teacher, labels=labels, row_weights=row_weights,
+                 width=width, offset=offset,
                  temperature=temperature, direction=direction, beta=float(beta),
                  scale=1.0 / count if reduction == "mean" and count else 1.0,
                  chunk_size=chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // width),
@@ -364,20 +374,44 @@ def _run(student, weight, bias, mask, teacher, width, offset, temperature, direc
 
 
 def _check_options(temperature, direction, beta, reduction, chunk_size):
-    """Validate the scalar options; return the direction with jsd's end points resolved."""
-    if not temperature > 0:
-        raise ValueError(f"Distillation temperature must be positive, got {temperature}")
+    """Validate the options; return the direction with jsd's end points resolved."""
+    _check_scalars(temperature, reduction, chunk_size)
     if direction not in DIRECTIONS:
         raise ValueError(f"KL direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"jsd beta must lie in [0, 1], got {beta}")
+    if direction == "jsd" and beta in (0.0, 1.0):
+        return "forward_kl" if beta == 0.0 else "reverse_kl"
+    return direction
+
+
+def _check_scalars(temperature, reduction, chunk_size):
+    if not temperature > 0:
+        raise ValueError(f"Distillation temperature must be positive, got {temperature}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size!r}")
-    if direction == "jsd" and beta in (0.0, 1.0):
-        return "forward_kl" if beta == 0.0 else "reverse_kl"
-    return direction
+
+
+def _check_student(hidden, weight, bias):
+    """The token dims of the student's hidden states, after checking them against lm_head."""
+    weight_shape = tuple(weight.shape)
+    if hidden.ndim < 2 or len(weight_shape) != 2 or weight_shape[1] != hidden.shape[-1]:
+        raise ValueError(f"Student hidden {tuple(hidden.shape)} and student lm_head "
+                         f"weight {weight_shape} must be [..., H] and [vocab, H]")
+    _check_bias("student_bias", bias, weight_shape[0])
+    return tuple(hidden.shape[:-1])
+
+
+def _token_mask(target_mask, lead, device):
+    """The bool target mask over the token dims `lead` (all tokens when None)."""
+    if target_mask is None:
+        return torch.ones(lead, dtype=torch.bool, device=device)
+    if tuple(target_mask.shape) != lead:
+        raise ValueError(f"Target mask {tuple(target_mask.shape)} must match the hidden states' "
+                         f"token dims {lead}")
+    return _bool_mask(target_mask)
 
 
 def _vocab_layout(student_width, teacher_width, vocab_size, group):

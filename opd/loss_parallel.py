@@ -15,16 +15,18 @@ are d(row loss) / d(student logits / temperature); the caller applies the temper
 
 Speed comes from touching each [C, V] buffer as few times as possible, in place, in buffers
 the caller reuses across chunks (a fresh CPU allocation of that size costs as much as an `exp`
-pass, in page faults): a KL needs three [C, V] buffers, jsd four. The formulas are unmasked, so
-`0 * log 0` is NaN where a log-prob is -inf (a masked vocabulary entry); the caller recomputes
-such a chunk with -inf replaced by the lowest finite value, where every such product is an
-exact zero.
+pass, in page faults): a KL needs three [C, V] buffers, jsd four, a cross-entropy two. The
+formulas are unmasked, so `0 * log 0` is NaN where a log-prob is -inf (a masked vocabulary
+entry); the caller recomputes such a chunk with -inf replaced by the lowest finite value, where
+every such product is an exact zero.
 """
 
 import math
 
 import torch
 import torch.distributed as dist
+
+from opd import divergences
 
 
 def all_reduce_(tensor, op, group):
@@ -106,16 +108,21 @@ def _teacher_logp(plan, rows, student_logp_CV, buffer_CV, scratch_CV):
 def chunk_loss_and_grad(student, weight, bias, plan, rows, workspace, need_grad, careful):
     """Row losses and d loss / d scaled student logits of one chunk, or None to retry carefully.
 
-    `plan` is opd.loss's description of the call; `workspace` holds three (jsd: four) [C, V]
-    buffers; `careful` replaces -inf log-probs by the lowest finite value first.
+    `plan` is opd.loss's description of the call; `workspace` holds the [C, V] buffers the
+    direction's registry entry counts (opd.divergences); `careful` replaces -inf log-probs by
+    the lowest finite value first.
     """
-    student_buffer, teacher_buffer, *scratch = workspace
+    student_buffer, *others = workspace
     if weight is not None:
         logits_CV = _linear_into(student_buffer, student[rows], weight, bias, plan.temperature)
     else:
         logits_CV = _gathered_logits(student, rows, plan.width, plan.temperature,
                                      student_buffer.dtype)
-    student_logp_CV = log_softmax_(logits_CV, plan.group, scratch[0])
+    student_logp_CV = log_softmax_(logits_CV, plan.group, others[-1])
+    if plan.labels is not None:
+        return cross_entropy_rows(student_logp_CV, plan.labels[rows], plan.offset, plan.group,
+                                  need_grad)
+    teacher_buffer, *scratch = others
     teacher_logp_CV = _teacher_logp(plan, rows, student_logp_CV, teacher_buffer, scratch[0])
     if careful:
         lowest = torch.finfo(student_logp_CV.dtype).min
@@ -131,11 +138,32 @@ def divergence_and_grad(student_logp_CV, teacher_logp_CV, scratch, direction, be
 
     Overwrites both log-probs and `scratch` (one [C, V] buffer, two for jsd); the gradient is
     one of them (None when `need_grad` is False). Returns None, before any gradient work, when
-    `check_nan` is set and a loss came out NaN (see the module docstring).
+    `check_nan` is set and a loss came out NaN (see the module docstring). The kernel is the
+    function of this module that opd.divergences names for `direction`.
     """
-    divergence = {"forward_kl": _forward_kl, "reverse_kl": _reverse_kl, "jsd": _jsd}[direction]
-    return divergence(student_logp_CV, teacher_logp_CV, scratch, beta, group, need_grad,
-                      check_nan)
+    kernel = globals()[divergences.get(direction).kernel]
+    return kernel(student_logp_CV, teacher_logp_CV, scratch, beta, group, need_grad, check_nan)
+
+
+def cross_entropy_rows(student_logp_CV, labels_C, offset, group, need_grad):
+    """Row losses -log p(label) [C] and their gradients p - one_hot(label) [C, V_local].
+
+    The forward KL to a one-hot teacher, read off directly: one gather instead of lifting a
+    teacher. Labels are global ids; each rank contributes the labels in its own shard. The
+    gradient overwrites the log-probs (None when `need_grad` is False).
+    """
+    rows, width = student_logp_CV.shape
+    local_C = labels_C - offset
+    owned_C = (local_C >= 0) & (local_C < width)
+    column_C = local_C.clamp(0, width - 1)
+    picked_C = student_logp_CV.gather(1, column_C[:, None]).squeeze(1)
+    label_logp_C = all_reduce_(torch.where(owned_C, picked_C, 0.0), dist.ReduceOp.SUM, group)
+    if not need_grad:
+        return label_logp_C.neg_(), None
+    grad_CV = student_logp_CV.exp_()
+    owned_rows = torch.arange(rows, device=grad_CV.device)[owned_C]
+    grad_CV[owned_rows, column_C[owned_C]] -= 1.0
+    return label_logp_C.neg_(), grad_CV
 
 
 def _row_sum(terms_CV, group):
@@ -143,7 +171,7 @@ def _row_sum(terms_CV, group):
     return all_reduce_(terms_CV.sum(-1), dist.ReduceOp.SUM, group)
 
 
-def _forward_kl(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def forward_kl_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     q_CV = torch.exp(logq_CV, out=scratch[0])
     loss_C = _row_sum(logq_CV.sub_(logp_CV).mul_(q_CV), group)
     if check_nan and loss_C.isnan().any():
@@ -151,7 +179,7 @@ def _forward_kl(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     return loss_C, logp_CV.exp_().sub_(q_CV) if need_grad else None
 
 
-def _reverse_kl(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def reverse_kl_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     p_CV = torch.exp(logp_CV, out=scratch[0])
     terms_CV = torch.sub(logp_CV, logq_CV, out=logq_CV).mul_(p_CV)
     loss_C = _row_sum(terms_CV, group)
@@ -161,7 +189,7 @@ def _reverse_kl(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     return loss_C, terms_CV.sub_(p_CV.mul_(loss_C[:, None])) if need_grad else None
 
 
-def _jsd(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def jsd_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     mix_logp_CV, probs_CV = scratch[:2]
     # log m = log(1 - beta) + logaddexp(log q + log(beta / (1 - beta)), log p)
     torch.add(logq_CV, math.log(beta / (1.0 - beta)), out=mix_logp_CV)

@@ -77,3 +77,26 @@ def cross_entropy(student_logits, labels, target_mask, temperature=1.0):
     """SFT: mean negative log-likelihood of the labels at target positions, times T ** 2."""
     logp = F.log_softmax(student_logits[target_mask].double() / temperature, dim=-1)
     return F.nll_loss(logp, labels[target_mask]) * temperature ** 2
+
+
+def sampled_kl_surrogate(student_logits, labels, target_mask, teacher_logprobs,
+                         sampler_logprobs=None, advantages=None, temperature=1.0, estimator="k1",
+                         distill_weight=1.0, reward_weight=0.0, importance_cap=0.0,
+                         advantage_clip=0.0):
+    """opd.loss_sampled's L, token by token through autograd: sum_t -w_t a_t exp(s_t - sg(s_t))."""
+    logp = F.log_softmax(student_logits[target_mask].double() / temperature, dim=-1)
+    learner = logp.gather(-1, labels[target_mask][:, None]).squeeze(-1)
+    fixed = learner.detach()
+    advantage = torch.zeros_like(fixed)
+    if distill_weight:
+        log_ratio = fixed - teacher_logprobs[target_mask].double()
+        slope = log_ratio if estimator == "k1" else 1 - torch.exp(-log_ratio)
+        advantage = advantage - distill_weight * slope
+    if reward_weight:
+        advantage = advantage + reward_weight * advantages[target_mask].double()
+    if advantage_clip:
+        advantage = advantage.clamp(-advantage_clip, advantage_clip)
+    weight = torch.ones_like(fixed)
+    if importance_cap:
+        weight = torch.exp(fixed - sampler_logprobs[target_mask].double()).clamp(max=importance_cap)
+    return -(weight * advantage * torch.exp(learner - fixed)).sum() * temperature ** 2

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
+from opd.loss_sampled import fused_sampled_kl_loss
 from tests.conftest import free_port
 
 WORLD = 2
@@ -101,6 +102,31 @@ def _check_topk(rank):
     torch.testing.assert_close(grad, _shard(expected_grad, rank), rtol=1e-9, atol=1e-12)
 
 
+def _check_sampled(rank):
+    """The labels kernel on a sharded vocabulary (labels on both ranks' shards), weighted."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(15, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB - 3, (15,), generator=gen)
+    mask = torch.rand(15, generator=gen) < 0.8
+    teacher, sampler = torch.randn(15, generator=gen) - 3, torch.randn(15, generator=gen) - 3
+    options = dict(sampler_logprobs=sampler.double(), importance_cap=2.0, temperature=1.3,
+                   estimator="k3")
+    full = [hidden.clone().requires_grad_(), weight[:VOCAB - 3].clone().requires_grad_()]
+    expected = reference_loss.sampled_kl_surrogate(full[0] @ full[1].t(), labels, mask,
+                                                   teacher.double(), **options)
+    expected_grads = torch.autograd.grad(expected, full)
+    local = [hidden.clone().requires_grad_(), _shard(weight, rank, 0).requires_grad_()]
+    loss, _ = fused_sampled_kl_loss(local[0], local[1], labels, mask, teacher.double(),
+                                    vocab_size=VOCAB - 3, chunk_size=4,
+                                    vocab_parallel_group=dist.group.WORLD, **options)
+    grads = torch.autograd.grad(loss, local)
+    padded = torch.cat([expected_grads[1], torch.zeros(3, 8, dtype=torch.float64)])
+    torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grads[0], expected_grads[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grads[1], _shard(padded, rank, 0), rtol=1e-9, atol=1e-12)
+
+
 def _vocab_parallel_worker(rank, port):
     _init(rank, port)
     try:
@@ -109,6 +135,7 @@ def _vocab_parallel_worker(rank, port):
                 _check_logits(rank, direction, beta, vocab_size)
             _check_fused(rank, direction, beta)
         _check_topk(rank)
+        _check_sampled(rank)
         ones = torch.ones(1, 2, dtype=torch.bool)
         with pytest.raises(ValueError, match="shards must be equally wide .* got 19 and 20"):
             distillation_loss(torch.zeros(1, 2, 19), torch.zeros(1, 2, 20), ones, vocab_size=30,
@@ -151,11 +178,34 @@ class _LossRoot(torch.nn.Module):
         return hidden if loss_fn is None else loss_fn(hidden, self.model.lm_head.weight)
 
 
+def _distillation(mask):
+    teacher_hidden, teacher_weight = torch.randn(8, 12), torch.randn(64, 12)
+
+    def loss_fn(hidden, weight):
+        return fused_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, mask,
+                                       reduction="sum")
+    return loss_fn
+
+
+def _sampled(mask):
+    """The sampled-token estimator with every term on: reward, importance weights, clipping."""
+    labels = torch.randint(0, 64, (8,))
+    teacher, sampler, advantages = torch.randn(8) - 4, torch.randn(8) - 4, torch.randn(8)
+
+    def loss_fn(hidden, weight):
+        return fused_sampled_kl_loss(hidden, weight, labels, mask, teacher,
+                                     sampler_logprobs=sampler, advantages=advantages,
+                                     reward_weight=0.5, importance_cap=2.0,
+                                     advantage_clip=3.0)[0]
+    return loss_fn
+
+
 def _zero3_worker(rank, port):
     _init(rank, port)
     try:
         for tied in (False, True):
-            _check_zero3(rank, tied)
+            _check_zero3(rank, tied, _distillation)
+        _check_zero3(rank, False, _sampled)
         # Neither rank tears gloo down while the other may still be in DeepSpeed's last
         # collective: that aborted the late rank ("terminate called without an active exception").
         dist.barrier()
@@ -163,32 +213,28 @@ def _zero3_worker(rank, port):
         dist.destroy_process_group()
 
 
-def _check_zero3(rank, tied):
+def _check_zero3(rank, tied, make_loss):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     torch.manual_seed(0)
-    teacher_hidden, teacher_weight = torch.randn(8, 12), torch.randn(64, 12)
     masks = [torch.rand(8) < 0.7 for _ in range(2)]
+    loss_fns = [make_loss(mask) for mask in masks]  # per micro-batch, the same on every rank
     batches = [[torch.arange(8) + 3 * r + 10 * m for m in range(2)] for r in range(WORLD)]
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True}
     reference = _LossRoot(_TinyLM(tied))
     for ranks_batches in batches:
-        for ids, mask in zip(ranks_batches, masks):
-            loss = fused_distillation_loss(reference.model(ids), reference.model.lm_head.weight,
-                                           teacher_hidden, teacher_weight, mask, reduction="sum")
+        for ids, loss_fn in zip(ranks_batches, loss_fns):
+            loss = loss_fn(reference.model(ids), reference.model.lm_head.weight)
             (loss / (WORLD * 2)).backward()  # ZeRO averages over ranks and micro-batches
     for pattern in ("gathered", "module"):
         root = _LossRoot(_TinyLM(tied))
         root.load_state_dict(reference.state_dict())
         engine, *_ = deepspeed.initialize(model=root, config=config,
                                           optimizer=torch.optim.SGD(root.parameters(), lr=0.1))
-        for ids, mask in zip(batches[rank], masks):
-            def loss_fn(hidden, weight):
-                return fused_distillation_loss(hidden, weight, teacher_hidden, teacher_weight,
-                                               mask, reduction="sum")
+        for ids, loss_fn in zip(batches[rank], loss_fns):
             if pattern == "module":
                 engine.backward(engine(ids, loss_fn))
                 continue
@@ -199,11 +245,13 @@ def _check_zero3(rank, tied):
         for name, param in engine.module.named_parameters():
             expected = dict(reference.named_parameters())[name].grad
             torch.testing.assert_close(safe_get_full_grad(param), expected, rtol=1e-5, atol=1e-6,
-                                       msg=lambda text: f"tied={tied} {pattern} {name}: {text}")
+                                       msg=lambda text: f"{make_loss.__name__} tied={tied} "
+                                                        f"{pattern} {name}: {text}")
         engine.destroy()
 
 
 def test_zero3_partitioned_lm_head_gets_the_full_gradient():
-    """Untied and tied (lm_head = embedding) heads, two micro-batches of accumulation."""
+    """Untied and tied (lm_head = embedding) heads, two micro-batches of accumulation; the
+    sampled-token estimator (opd.loss_sampled) through the same fused path, untied."""
     pytest.importorskip("deepspeed")
     mp.spawn(_zero3_worker, args=(free_port(),), nprocs=WORLD)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from opd import divergences
 from opd.backends import decoder_layers, resolve_precision
 
 
@@ -115,7 +116,7 @@ def loss_chunk_rows(vocab: int, chunk_size: int) -> int:
 
 def loss_bytes(shape: ModelShape, chunk_rows: int, direction: str) -> tuple[int, int]:
     """(the fused loss's fp32 [chunk, V] buffers, its fp32 lm_head gradient [V, H])."""
-    buffers = 4 if direction == "jsd" else 3
+    buffers = divergences.get(direction).chunk_buffers
     return buffers * chunk_rows * shape.vocab * 4, shape.vocab * shape.hidden * 4
 
 
