@@ -87,6 +87,9 @@ class RolloutConfig:
     top_p: float = within(0, 1, 1.0, open_low=True)
     top_k: int = at_least(0, 0)
     batch_size: int = at_least(1, 32)  # conversations sampled together on one rank
+    # Episodes sampled per prompt (a group: its rewards are normalised together, opd.rewards);
+    # each rank samples the whole group of each of its prompts.
+    samples_per_prompt: int = at_least(1, 1)
     # A sampler registered in opd.sampling. hf: our batched decode loop (the reference); vllm: a
     # colocated vLLM engine per rank (opd.sampling.vllm; the extra requirements-vllm-*.txt).
     engine: str = rule(lambda v: v in SAMPLERS, f"one of {', '.join(SAMPLERS)}", "hf")
@@ -352,6 +355,22 @@ RENAMED = {
 }
 
 
+def teacher_signal_problem(config: Config) -> str | None:
+    """Why `teacher.signal` cannot feed `loss.direction`, or None."""
+    wanted, entry = config.teacher.signal, divergences.get(config.loss.direction)
+    if wanted == "auto" or wanted == entry.signal:
+        return None
+    if not config.loss.needs_teacher:
+        return (f"teacher.signal={wanted} needs a teacher, and loss.direction="
+                f"{config.loss.direction} with loss.distill_weight={config.loss.distill_weight:g} "
+                "starts none; leave teacher.signal=auto.")
+    if wanted == "topk" and entry.signal == "distribution":
+        return None if entry.topk else f"teacher.signal=topk: {entry.topk_refusal}."
+    return (f"teacher.signal={wanted} cannot feed loss.direction={config.loss.direction}, which "
+            f"reads the teacher's {entry.signal} signal; use teacher.signal=auto or "
+            f"{entry.signal}.")
+
+
 def load_config(recipe: str | Path | None = None, cluster: str | Path | None = None,
                 overrides: Sequence[str] = (), *, complete: bool = True) -> Config:
     """The resolved config of a run; `ConfigError` names the key and source of any problem.
@@ -573,7 +592,10 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
     def fail(key: str, sentence: str) -> ConfigError:
         return ConfigError(f"{_where(key, sources)}: {sentence}")
 
-    for key in ("model.student", "model.teacher", "data.prompts"):
+    # Pure RL (loss.distill_weight=0) and SFT need no teacher; one named is still evaluated.
+    needed = ("model.student", "data.prompts") + (("model.teacher",) if config.loss.needs_teacher
+                                                   else ())
+    for key in needed:
         if not _get(config, key):
             raise fail(key, f"{key} is not set; the recipe must name it.")
     if config.train.micro_batch_tokens < config.rollout.max_total_len:
@@ -584,6 +606,12 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
     loss_problem = config.loss.problem()
     if loss_problem is not None:
         raise fail(*loss_problem)
+    signal_problem = teacher_signal_problem(config)
+    if signal_problem is not None:
+        raise fail("teacher.signal", signal_problem)
+    if config.loss.reward_weight > 0 and not config.eval.checker:
+        raise fail("eval.checker", "loss.reward_weight > 0 needs eval.checker: the world's "
+                   "checker scores each episode into its reward.")
     if config.loss.direction == "sft" and config.loss.off_policy_fraction != 1:
         raise fail("loss.off_policy_fraction", "loss.direction=sft trains on data.completions "
                    "only, so loss.off_policy_fraction must be 1.")

@@ -169,6 +169,13 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
     }
 
 
+def episode_reward(record: dict, trajectory, tokenizer, check: Checker) -> float:
+    """An on-policy episode's task reward: 1 when it succeeds as the eval counts success (the
+    checker accepts the final answer, every call was valid and ran, nothing was truncated),
+    else 0. A refused call, a tool failure or a truncation scores 0, as in the eval."""
+    return float(_outcome(record, trajectory, tokenizer, check)["success"])
+
+
 def takes_state(check: Callable) -> bool:
     """Whether `check` accepts a third positional argument (the episode's outcome)."""
     try:

@@ -35,7 +35,8 @@ class RunInputs:
 def load_inputs(config: Config) -> RunInputs:
     """The run's tokenizer, chat format and datasets, each checked against the config."""
     for key in ("model.student", "model.teacher"):
-        _model_dir(getattr(config.model, key.split(".")[1]), key)
+        if getattr(config.model, key.split(".")[1]):  # no teacher: SFT or pure RL
+            _model_dir(getattr(config.model, key.split(".")[1]), key)
     chat = chat_format(config.tokenizer_path, config.model, config.model.student,
                        "model.tokenizer" if config.model.tokenizer else "model.student")
     vocab_size = check_vocabulary(config.model, chat.tokenizer)
@@ -118,6 +119,8 @@ def check_vocabulary(model: ModelConfig, tokenizer) -> int:
     sizes = {}
     for key in ("model.student", "model.teacher"):
         path = getattr(model, key.split(".")[1])
+        if not path:  # no teacher: SFT or pure RL
+            continue
         sizes[key] = _vocab_size(path)
         if sizes[key] < tokens:
             raise VocabularyError(

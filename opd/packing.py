@@ -131,3 +131,19 @@ def empty_micro_batch(pad_token_id: int) -> PackedBatch:
                        position_ids=torch.arange(2)[None],
                        target_mask=torch.zeros((1, 2), dtype=torch.bool),
                        cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), trajectory_index=[])
+
+
+def per_target(batch: PackedBatch, values: Sequence[torch.Tensor], fill: float = 0.0
+               ) -> torch.Tensor:
+    """[N, ...] values of a micro-batch from each packed conversation's per-target values
+    (`values[s]` holds one row per target token of sequence s, in order; `fill` elsewhere), on
+    the batch's device."""
+    rows = batch.target_mask[0].nonzero().squeeze(-1)
+    joined = (torch.cat(list(values)) if len(values) else torch.zeros(0)).to(rows.device)
+    if len(joined) != len(rows):
+        raise RuntimeError(f"{len(joined)} per-token values for the {len(rows)} target tokens "
+                           "of a micro-batch: nothing trains on a partial payload")
+    out = torch.full((batch.num_tokens, *joined.shape[1:]), fill, dtype=joined.dtype,
+                     device=rows.device)
+    out[rows] = joined
+    return out

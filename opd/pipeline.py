@@ -90,7 +90,7 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     check_engines(config, world)
     rows: dict[str, dict] = {}
     if config.eval.before:
-        if config.eval.teacher:
+        if config.eval.teacher and config.model.teacher:
             rows["teacher"] = evaluate(config, plugins, inputs, world, config.model.teacher,
                                        "model.teacher")
         rows["before"] = evaluate(config, plugins, inputs, world, config.model.student,
@@ -113,7 +113,7 @@ def check_engines(config: Config, world: World) -> None:
     """The checks each engine makes of the config and files alone, before any engine starts."""
     check_student(config.student)
     sampler_class(config.rollout.engine).check(config, world)
-    if config.loss.direction != "sft":
+    if config.loss.needs_teacher:
         teacher_class(config.teacher.engine).check(config, world)
 
 

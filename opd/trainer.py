@@ -32,18 +32,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from opd import checkpoint, preemption
+from opd import checkpoint, divergences, preemption
 from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
 from opd.dist import World, all_reduce, barrier, shorten_timeout
 from opd.errors import MissingFileError, NonFiniteError
-from opd.eval import evaluate, greedy, tool_executor
+from opd.eval import episode_reward, evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
-from opd.loss import one_hot_teacher
+from opd.loss_sampled import STAT_REDUCTIONS, accumulate_stats, summarize_stats
 from opd.metrics import MetricsLog
 from opd.objective import DistillationHead
-from opd.packing import PackedBatch, empty_micro_batch, pack_varlen
+from opd.packing import PackedBatch, empty_micro_batch, pack_varlen, per_target
 from opd.plugins import Plugins
+from opd.rewards import group_advantages, token_advantages
 from opd.sampling import sampler_class
 from opd.sampling.base import Sampler, SamplerContext
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
@@ -62,7 +63,7 @@ class Run:
     inputs: RunInputs
     world: World
     student: StudentEngine
-    teacher: Teacher | None  # None: loss.direction=sft (the one-hot teacher needs no engine)
+    teacher: Teacher | None  # None: SFT (a one-hot teacher) or pure RL (loss.distill_weight=0)
     signal: SignalRequest  # what the loss asks of the teacher
     sampler: Sampler
     executor: ToolExecutor
@@ -125,7 +126,7 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
         (config.run_dir / "config.yaml").write_text(to_yaml(config))
     student = build_student(config.model.student, config.student, config.optim, world)
     teacher = teacher_class(config.teacher.engine).build(config, world) \
-        if config.loss.direction != "sft" else None
+        if config.loss.needs_teacher else None
     executor = tool_executor(plugins.tool_registry, config.tools, plugins.environment)
     resume_from = resume_path(config)
     start_step = checkpoint.load(resume_from, student, world)["step"] if resume_from else 0
@@ -142,7 +143,8 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
 
 def signal_request(config: Config, vocab_size: int) -> SignalRequest:
     """What the loss asks of the teacher: `teacher.signal`, or the direction's own need."""
-    kind = config.teacher.signal if config.teacher.signal != "auto" else "distribution"
+    kind = config.teacher.signal if config.teacher.signal != "auto" \
+        else divergences.get(config.loss.direction).signal
     # A k past the vocabulary is the whole distribution as top-k (no tail).
     return SignalRequest(kind, vocab_size, config.loss.temperature,
                          min(config.teacher.top_k, vocab_size))
@@ -192,8 +194,12 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
     else:
         prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
                                run.epoch_orders.setdefault("prompts", {}))
+        group = config.rollout.samples_per_prompt  # a prompt's samples stay on one rank
+        prompts = [record for record in prompts for _ in range(group)]
         trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank))
         metrics.update(run.sampler.metrics())
+        if config.loss.reward_weight > 0:
+            metrics.update(score_rewards(run, prompts, trajectories))
     if run.teacher is not None and run.teacher.per_conversation:
         tick = time.perf_counter()
         # Copies: dataset completions are reused by later steps and must not keep scores.
@@ -203,21 +209,43 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
     return trajectories, is_off_policy, metrics
 
 
+def score_rewards(run: Run, prompts: list[dict], trajectories: list[AgentTrajectory]) -> dict:
+    """Each episode's reward by the world's checker, and its advantage within its prompt's
+    group of rollout.samples_per_prompt episodes; the step's reward statistics."""
+    config, tokenizer = run.config, run.inputs.chat.tokenizer
+    rewards = [episode_reward(record, trajectory, tokenizer, run.plugins.eval_checker)
+               for record, trajectory in zip(prompts, trajectories)]
+    groups = [index // config.rollout.samples_per_prompt for index in range(len(rewards))]
+    advantages = group_advantages(rewards, groups, config.loss.advantage_norm)
+    for trajectory, reward, advantage in zip(trajectories, rewards, advantages):
+        trajectory.reward, trajectory.advantage = reward, advantage
+    total, square, count = all_reduce([sum(rewards), sum(r * r for r in rewards), len(rewards)])
+    mean = total / max(count, 1.0)
+    return {"reward_mean": mean, "reward_std": max(square / max(count, 1.0) - mean ** 2, 0.0) ** 0.5}
+
+
 def teacher_signal(run: Run, batch: PackedBatch,
-                   trajectories: list[AgentTrajectory]) -> TeacherSignal:
-    """Stage 3: the teacher's signal for one micro-batch (collective for sharded teachers)."""
-    if run.teacher is None:  # SFT: the labels, position i predicting token i + 1
-        return one_hot_teacher(batch.input_ids[0].roll(-1))
+                   trajectories: list[AgentTrajectory]) -> TeacherSignal | None:
+    """Stage 3: the teacher's signal for one micro-batch (collective for sharded teachers);
+    None for pure RL."""
+    if run.teacher is None:  # SFT reads the labels; pure RL no teacher
+        return None
     if run.teacher.per_conversation:
-        signal = packed_signal(batch, trajectories, run.signal, run.teacher.head)
-        return _to_device(signal, run.world.device)
+        return packed_signal(batch, trajectories, run.signal, run.teacher.head)
     return run.teacher.score_micro_batch(batch, run.signal)
 
 
-def _to_device(signal: TeacherSignal, device: torch.device) -> TeacherSignal:
-    return dataclasses.replace(signal, **{  # type: ignore[arg-type]
-        f.name: value.to(device) for f in dataclasses.fields(signal)
-        if isinstance(value := getattr(signal, f.name), torch.Tensor)})
+def sampled_inputs(run: Run, batch: PackedBatch, trajectories: list[AgentTrajectory]) -> dict:
+    """What the sampled-token estimator reads besides the teacher: the labels, the sampler's
+    log-prob of each (as it recorded them) and the episodes' reward advantages."""
+    packed = [trajectories[index] for index in batch.trajectory_index]
+    inputs = {"labels_N": batch.input_ids[0].roll(-1), "sampler_logprobs_N": per_target(
+        batch, [torch.tensor(t.logprobs, dtype=torch.float32) for t in packed])}
+    if run.config.loss.reward_weight > 0:
+        inputs["advantages_N"] = token_advantages(
+            [t.advantage for t in trajectories], batch.cu_seqlens, batch.trajectory_index,
+            batch.target_mask[0])
+    return inputs
 
 
 def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
@@ -229,8 +257,13 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     run.student.train_mode()
     teacher_s = train_s = loss_sum = 0.0
     teacher_tokens = 0
+    reads = divergences.get(config.loss.direction).signal
+    sampled = reads == "sampled"
+    stats: dict[str, torch.Tensor] | None = None
     for batch in batches:
         batch = batch.to(world.device)
+        extra = sampled_inputs(run, batch, trajectories) if sampled \
+            else {"labels_N": batch.input_ids[0].roll(-1)} if reads == "labels" else {}
         tick = time.perf_counter()
         signal = teacher_signal(run, batch, trajectories)
         if run.teacher is not None:
@@ -239,9 +272,11 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
             tick = time.perf_counter()
         with open_head(signal) as teacher_head:
             head = DistillationHead(signal, teacher_head, batch.target_mask[0], config.loss,
-                                    run.inputs.vocab_size)
-            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head)
+                                    run.inputs.vocab_size, **extra)
+            batch_sum, _ = run.student.loss(batch.input_ids, batch.position_ids, head.loss)
             run.student.backward(batch_sum * scale)
+        if sampled:
+            stats = accumulate_stats(stats, head.stats)
         loss_sum += float(batch_sum.detach())
         train_s += time.perf_counter() - tick
     total_loss, global_teacher_tokens = all_reduce([loss_sum, teacher_tokens])
@@ -257,12 +292,26 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
     # KL per target token between the temperature-scaled distributions (none for jsd and sft).
     kl = loss / config.loss.temperature ** 2 \
-        if config.loss.direction in ("forward_kl", "reverse_kl") else None
-    return {"loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
+        if divergences.get(config.loss.direction).kl_reported else None
+    estimator = sampled_statistics(stats) if sampled else {}
+    return {**estimator, "loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
             "teacher_tokens": int(global_teacher_tokens),
             "micro_batches": len(batches), "lr": lr, "grad_norm": grad_norm,
             "skipped": not applied, "nonfinite_steps": run.nonfinite_steps,
             "teacher_s": round(teacher_s, 4), "train_s": round(train_s, 4)}
+
+
+def sampled_statistics(stats: dict[str, torch.Tensor] | None) -> dict:
+    """The sampled-token estimator's figures of the step, over every rank's target tokens
+    (KL estimates, importance weights, truncated and clipped fractions, advantages, the
+    sampler-learner log-prob gap)."""
+    names = list(STAT_REDUCTIONS)
+    local = [float(stats[name]) if stats is not None else 0.0 for name in names]
+    summed = all_reduce([v for v, n in zip(local, names) if STAT_REDUCTIONS[n] == "sum"])
+    maxed = all_reduce([v for v, n in zip(local, names) if STAT_REDUCTIONS[n] == "max"], op="max")
+    combined = dict(zip([n for n in names if STAT_REDUCTIONS[n] == "sum"], summed))
+    combined.update(zip([n for n in names if STAT_REDUCTIONS[n] == "max"], maxed))
+    return summarize_stats(combined)
 
 
 def pack(run: Run, trajectories: list[AgentTrajectory]) -> tuple[list[PackedBatch], float]:

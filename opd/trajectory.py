@@ -44,6 +44,8 @@ class AgentTrajectory:
     # The calls that ran, per user turn, per assistant message: [turn][message][call], each
     # {"name", "arguments"}; a message without calls is an empty step (what BFCL scores).
     calls_by_turn: list[list[list[dict]]] = field(default_factory=lambda: [[]])
+    reward: float | None = None  # the world's checker's score of the episode (on-policy)
+    advantage: float = 0.0  # its group-normalised reward (opd.rewards)
     # A per-conversation teacher's scores of the target tokens (opd.teachers.base.TeacherScores)
     teacher_scores: Any = None
 

@@ -111,7 +111,7 @@ def test_top_k_of_the_whole_vocabulary_is_the_full_distribution(models, directio
                                     vocab)
             loss_sum, _ = DistillModule(student)(input_ids=batch.input_ids,
                                                  position_ids=batch.position_ids,
-                                                 head_loss=head)
+                                                 head_loss=head.loss)
         grads = torch.autograd.grad(loss_sum, list(student.parameters()))
         results.append((loss_sum, grads, signal))
     (full, full_grads, full_signal), (topk, topk_grads, topk_signal) = results

@@ -195,11 +195,20 @@ COMPARED = ("loss", "grad_norm", "lr", "target_tokens", "tokens", "conversations
             "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "off_policy")
 
 
-@pytest.mark.parametrize("backend,launcher", [("deepspeed", "deepspeed"), ("fsdp", "torchrun")])
-def test_resumed_run_repeats_the_uninterrupted_one(world_dir, tmp_path, backend, launcher):
-    """4 steps straight vs 2 steps + resume (torchrun) for 2 more: the same metrics to 1e-6."""
+SAMPLED_WITH_REWARD = ("loss.direction=sampled_reverse_kl", "loss.off_policy_fraction=0",
+                      "loss.reward_weight=0.5", "loss.importance_cap=2",
+                      "rollout.samples_per_prompt=2")
+
+
+@pytest.mark.parametrize("backend,launcher,loss", [
+    ("deepspeed", "deepspeed", ("loss.off_policy_fraction=0.5",)),
+    ("fsdp", "torchrun", ("loss.off_policy_fraction=0.5",)),
+    ("deepspeed", "deepspeed", SAMPLED_WITH_REWARD)])
+def test_resumed_run_repeats_the_uninterrupted_one(world_dir, tmp_path, backend, launcher, loss):
+    """4 steps straight vs 2 steps + resume (torchrun) for 2 more: the same metrics to 1e-6;
+    also for the sampled-token estimator with task rewards over groups of samples."""
     common = ["--recipe", str(world_dir / "recipe.yaml"), "train.steps=4", "checkpoint.every=2",
-              "checkpoint.keep=3", "loss.off_policy_fraction=0.5", "rollout.temperature=2.0",
+              "checkpoint.keep=3", "rollout.temperature=2.0", *loss,
               f"student.backend={backend}", "teacher.engine=replicated", "eval.every=0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(launcher, "launch/train.py", *common, f"logging.run_dir={straight}")
@@ -215,9 +224,19 @@ def test_resumed_run_repeats_the_uninterrupted_one(world_dir, tmp_path, backend,
     got = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r.get("before_checkpoint", False) for r in got] == [True, True, False, False]
-    assert {r["off_policy"] for r in expected} == {True, False}  # both kinds of step ran
+    compared = COMPARED
+    if loss == SAMPLED_WITH_REWARD:
+        compared += ("reward_mean", "reward_std", "kl_k1", "kl_k3", "importance_ratio_mean",
+                     "advantage_mean", "advantage_std", "truncated_fraction")
+        # two samples of each of 4 prompts, each rank sampling whole groups
+        assert all(r["conversations"] == 8 and not r["off_policy"] for r in expected)
+        # rollout.temperature=2 samples from another distribution than the loss's (T=1): the
+        # importance weights see it, and the cap truncates them
+        assert all(r["logprob_gap_max"] > 1e-3 for r in expected)
+    else:
+        assert {r["off_policy"] for r in expected} == {True, False}  # both kinds of step ran
     for want, have in zip(expected[2:], got[2:]):
-        for key in COMPARED:
+        for key in compared:
             assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (want["step"], key)
 
 
@@ -242,6 +261,25 @@ def test_a_teacher_that_scores_conversations_trains_like_one_inside_the_step(wor
             for key in COMPARED:
                 assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (name, key)
         assert all("teacher_collect_s" in r for r in got)
+
+
+def test_pure_rl_trains_on_fsdp_without_ever_building_a_teacher(world_dir, tmp_path):
+    """loss.distill_weight=0: no teacher is named, loaded or started; the reward's advantage
+    alone trains the student (FSDP2 on 2 ranks)."""
+    launch("torchrun", "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+           "student.backend=fsdp", "model.teacher=", "loss.direction=sampled_reverse_kl",
+           "loss.distill_weight=0", "loss.reward_weight=1", "rollout.samples_per_prompt=2",
+           "loss.advantage_norm=none", "eval.every=0", f"logging.run_dir={tmp_path / 'run'}")
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["teacher_tokens"] == 0 and record["teacher_s"] == 0
+        assert record["reward_mean"] == pytest.approx(record["advantage_mean"], abs=1e-6) \
+            or record["target_tokens"] == 0  # advantage_norm=none: the raw reward
+        assert record["kl_k1"] == 0  # no teacher, no KL estimate
+        # the sampler's recorded log-probs are the learner's (same weights and temperature)
+        assert record["logprob_gap_max"] < 1e-4
+    assert (tmp_path / "run" / "final").is_dir()
 
 
 def test_plain_python_is_a_world_of_one(world_dir, tmp_path):

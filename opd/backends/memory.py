@@ -170,7 +170,10 @@ def memory_estimate(config, world_size: int, device: str, tp_size: int | None = 
         train_peak = states + activations + buffers + head_grad
         rollout_peak = states + kv + (gather_once if config.student.generation_gather == "once"
                                       else 2 * student.largest_layer * c)
-    if teacher is None:
+    if not config.loss.needs_teacher:
+        lines.append(f"teacher: none started (loss.direction={config.loss.direction}, "
+                     f"loss.distill_weight={config.loss.distill_weight:g})")
+    elif teacher is None:
         lines.append(_missing("teacher", config.model.teacher))
     else:
         n, b = teacher.parameters, compute_bytes(config.teacher.precision)

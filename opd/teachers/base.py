@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from opd.loss import TopKTeacher
+from opd.packing import PackedBatch, per_target
 
 if TYPE_CHECKING:
     from opd.config import Config
     from opd.dist import World
-    from opd.packing import PackedBatch
     from opd.trajectory import AgentTrajectory
 
 SIGNALS = ("distribution", "topk", "sampled")
@@ -75,7 +75,7 @@ class SampledLogprobs:
 TeacherSignal = FullDistribution | TopKTeacher | SampledLogprobs
 
 
-def open_head(signal: TeacherSignal
+def open_head(signal: TeacherSignal | None
               ) -> AbstractContextManager[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """The context the loss and its backward run in: the head of a full distribution."""
     if isinstance(signal, FullDistribution):
@@ -134,21 +134,12 @@ class Teacher(ABC):
 def packed_signal(batch: PackedBatch, trajectories: Sequence[AgentTrajectory],
                   request: SignalRequest, head: Head) -> TeacherSignal:
     """A micro-batch's signal from its conversations' collect-time scores (`TeacherScores`)."""
-    rows = batch.target_mask[0].nonzero().squeeze(-1)
     scores = [trajectories[index].teacher_scores for index in batch.trajectory_index]
     if any(score is None for score in scores):
         raise RuntimeError("a conversation reached the loss without its teacher scores")
-    n = batch.num_tokens
 
-    def place(name: str, fill: float = 0.0) -> torch.Tensor:
-        parts = [getattr(score, name) for score in scores]
-        values = torch.cat(parts) if parts else torch.zeros(0)
-        out = torch.full((n, *values.shape[1:]), fill, dtype=values.dtype)
-        if len(values) != len(rows):
-            raise RuntimeError(f"teacher scores hold {len(values)} target tokens where the "
-                               f"micro-batch has {len(rows)}: nothing trains on a partial payload")
-        out[rows] = values
-        return out
+    def place(name: str) -> torch.Tensor:
+        return per_target(batch, [getattr(score, name) for score in scores])
 
     if request.kind == "sampled":
         return SampledLogprobs(place("logprobs_T"))
