@@ -38,12 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd import tool_worker
+from opd.config import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
 from opd.tool_calls import ToolCall
 from opd.tool_schemas import ToolRegistry, validate_call
-
-# Bounds the executor enforces; the config's `tools.*` rules use the same numbers.
-MIN_RESULT_CHARS = 64  # an {"error": ...} observation must fit
-MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
 
 
 @dataclass
@@ -73,7 +70,6 @@ _WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[4:]; from opd.tool_work
 # The only variables a worker inherits (and LC_*); HOME and TMPDIR are its own directory.
 SANDBOX_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED",
                "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE")
-MAX_CALLS_PER_TURN = 8
 # A worker enforces each call's timeout itself; the trainer gives up on it only this much later.
 _REPLY_GRACE_S = 10.0
 
