@@ -39,6 +39,7 @@ from typing import Any
 
 from opd import tool_worker
 from opd.config import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
+from opd.environments import Environment, check_environment
 from opd.tool_calls import ToolCall
 from opd.tool_schemas import ToolRegistry, validate_call
 
@@ -202,7 +203,7 @@ class ToolExecutor:
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
                  start_timeout_s: float = 60.0, max_calls_per_turn: int = MAX_CALLS_PER_TURN,
                  run_as: str | None = "nobody", pass_env: Sequence[str] = (),
-                 namespaces: bool = True, environment: type | None = None):
+                 namespaces: bool = True, environment: type[Environment] | None = None):
         if min(timeout_s, num_workers, start_timeout_s, max_calls_per_turn) <= 0:
             raise ValueError("ToolExecutor timeout_s, num_workers, start_timeout_s and "
                              "max_calls_per_turn must be positive")
@@ -218,7 +219,6 @@ class ToolExecutor:
                 raise ValueError(f"ToolExecutor run_as: no user named {run_as!r}") from None
             user = (run_as, entry.pw_uid, entry.pw_gid)
         if environment is not None:
-            from opd.environments import check_environment
             check_environment(environment)
         self.registry = registry
         self.environment = environment
