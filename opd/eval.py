@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from opd.backends import load_causal_lm, resolve_precision
 from opd.chat import ChatFormat
 from opd.checker import Checker, EpisodeOutcome, call_checker
 from opd.config import RolloutConfig, ToolsConfig, load_config
@@ -197,8 +198,6 @@ def load_model(path: str | Path, device=None, key: str = "--model"):
     """A causal LM in eval mode on `device` (default: cuda when available), with the trainer's
     precision policy: bf16 and flash-attn where installed on GPU, fp32 and SDPA on CPU."""
     import torch
-
-    from opd.backends import load_causal_lm, resolve_precision
 
     if not Path(path).is_dir():
         raise MissingFileError(f"{key}: {path} is not a directory.")

@@ -204,7 +204,7 @@ def build_student(model_path: str, student: StudentConfig, optim: OptimConfig,
                   world: World) -> StudentEngine:
     """The student engine `student.backend` names, loaded from `model_path` (model.student)."""
     if student.backend == "deepspeed":
-        from opd.backends.deepspeed import DeepSpeedStudent
+        from opd.backends.deepspeed import DeepSpeedStudent  # heavy: deepspeed; and a cycle
         return DeepSpeedStudent(model_path, student, optim, world)
-    from opd.backends.fsdp import FSDPStudent
+    from opd.backends.fsdp import FSDPStudent  # cycle: opd.backends.fsdp imports this package
     return FSDPStudent(model_path, student, optim, world)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from opd.backends import decoder_layers, resolve_precision
+from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,6 @@ def activation_bytes(shape: ModelShape, tokens: int, compute: int, checkpointing
 
 
 def loss_chunk_rows(vocab: int, chunk_size: int) -> int:
-    from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
     return chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
 
 
