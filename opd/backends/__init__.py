@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from opd.config import OptimConfig, StudentConfig
+from opd.dist import World
 from opd.errors import MissingFileError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from opd.config import OptimConfig, StudentConfig
-    from opd.dist import World
 
 # (hidden_NH, weight_VH, bias_V | None) -> (loss_sum, target_count), both 0-d tensors
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
