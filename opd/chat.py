@@ -16,7 +16,9 @@ import json
 from collections.abc import Iterable, Sequence
 
 from opd.errors import ChatTemplateError
+from opd.plugins import resolve
 from opd.tool_calls import ToolCall
+from opd.tools import ToolExecutor
 
 BOUNDARY_MARKER = "<|opd_observation_boundary|>"
 
@@ -162,8 +164,6 @@ def _default_executor():
     """A process-wide executor over the seed's built-in tools, for the seed-compatible API."""
     global _DEFAULT_EXECUTOR
     if _DEFAULT_EXECUTOR is None:
-        from opd.plugins import resolve
-        from opd.tools import ToolExecutor
         _DEFAULT_EXECUTOR = ToolExecutor(resolve(SEED_TOOLS, "the seed's built-in tools")())
     return _DEFAULT_EXECUTOR
 

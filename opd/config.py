@@ -25,10 +25,14 @@ from opd import divergences
 from opd.errors import ConfigError
 from opd.sampling import SAMPLERS
 from opd.teachers import TEACHERS
-from opd.tools import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
 
 OVERRIDE_SOURCE = "command line"
 PREPARED = "{prepared}"
+
+# Bounds of the `tools.*` keys; the tool executor (opd.tools) enforces the same numbers.
+MIN_RESULT_CHARS = 64  # an {"error": ...} observation must fit
+MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
+MAX_CALLS_PER_TURN = 8  # the default of tools.max_calls_per_turn
 
 
 WandbMode = Literal["offline", "online", "disabled"]

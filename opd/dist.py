@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from opd.errors import ConfigError
+
 COLLECTIVE_TIMEOUT_MIN = 60  # until the first step passed (loading, first compile, prepare)
 
 
@@ -48,8 +50,6 @@ def _free_port() -> int:
 def _check_port(port: int) -> None:
     """Rank 0 binds MASTER_PORT for the rendezvous store: a busy port is one sentence here
     rather than a traceback on rank 0 and a long wait on the others."""
-    from opd.config import ConfigError
-
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
         try:
@@ -131,44 +131,6 @@ def shorten_timeout(seconds: float) -> None:
         print(f"error: rank {rank} {cause}; resume from the last checkpoint with the "
               "same command.", file=sys.stderr, flush=True)
     sys.excepthook = explain
-
-
-def init_deepspeed_comm(world: World) -> None:
-    """Hand the existing process group to DeepSpeed's communication layer."""
-    import deepspeed
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        if world.world_size == 1 and world.device.type == "cpu":
-            from opd.backends.deepspeed_internals import skip_shared_memory_comm_op
-            skip_shared_memory_comm_op()
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-        _unlink_shared_memory_buffer(world)
-    if world.local_world_size != world.world_size and world.device.type == "cpu":
-        # The CPU shared-memory all-reduce needs every rank on one host; across hosts it would
-        # read an uninitialised buffer, so fall back to the process group.
-        comm.comm.cdb.shm_vector_kernel_level = 0
-
-
-def _unlink_shared_memory_buffer(world: World) -> None:
-    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer once every rank mapped it.
-
-    DeepSpeed creates a 66 MiB /dev/shm file per rank, named after MASTER_ADDR/MASTER_PORT,
-    and never unlinks it: every run (each on its own port) leaves them behind, in RAM, until a
-    machine of 24 GiB has none left (20 GiB seen after a day of runs here). The mappings stay
-    valid after the unlink; the barrier makes sure every peer has opened the file first.
-    """
-    from deepspeed import comm
-
-    if world.device.type != "cpu" or comm.comm.cdb.shm_comm_op is None:
-        return
-    barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{world.rank}")
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:  # not all ranks on one host: DeepSpeed created none
-        pass
 
 
 def shutdown() -> None:

@@ -3,7 +3,8 @@
 A recipe names its environment class with `tools.environment: module:Class` (instead of a
 stateless `tools.registry`). One *episode* is one conversation: it is created from its record,
 receives the parsed tool calls of each assistant turn in order, answers each with an
-observation, exposes its final state to the checker, and is closed at the end.
+observation, exposes its final state to the checker, and is closed at the end. The class
+conforms to the `Environment` protocol below:
 
     class MyEnvironment:
         def __init__(self, config: dict): ...        # the record's "environment" value ({})
@@ -47,13 +48,25 @@ the worker does not start and the run stops with the reason.
 from __future__ import annotations
 
 import pickle
+from typing import Any, Protocol, runtime_checkable
 
 from opd.errors import ConfigError
 
-ENVIRONMENT_METHODS = ("call", "state")
+
+@runtime_checkable
+class Environment(Protocol):
+    """What every environment class has (constructed as `cls(config)`); `close()` and the
+    class method `preload()` are optional (see the module docstring)."""
+
+    def call(self, name: str, arguments: dict) -> Any: ...
+
+    def state(self) -> dict: ...
 
 
-def check_environment(environment, key: str = "tools.environment") -> None:
+ENVIRONMENT_METHODS = ("call", "state")  # the protocol's methods, named in errors
+
+
+def check_environment(environment: Any, key: str = "tools.environment") -> None:
     """`ConfigError` (naming `key`) unless `environment` is a class a worker can construct."""
     if not isinstance(environment, type):
         raise ConfigError(f"{key} names a {type(environment).__name__}, not a class with "

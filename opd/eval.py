@@ -5,13 +5,10 @@ conversation was valid and ran, and nothing was truncated. Works for any Hugging
 directory (its tokenizer and chat template included), any JSONL dataset in the `opd.data` form
 and any checker `check(final_text, record) -> bool`.
 
-The checker contract, compatibly extended for stateful environments (opd.environments): a
-checker whose signature takes a third positional argument (or *args) is called as
-`check(final_text, record, episode)`, where `episode` is an `EpisodeOutcome`: `.state`, the
-episode's final environment state (what the environment's `state()` returned at the end, as
-JSON values; None with stateless tools, or when the environment died, failed to start or its
-state() failed), and `.calls_by_turn`, the calls the environment ran, per user turn and per
-assistant message (`AgentTrajectory.calls_by_turn`). A two-argument checker is called as before.
+The checker contract, compatibly extended for stateful environments (opd.environments), is
+opd.checker: a checker whose signature takes a third positional argument (or *args) is called
+as `check(final_text, record, episode)` with the episode's `EpisodeOutcome` (its final
+environment state and the calls it ran). A two-argument checker is called as before.
 
 The trainer's evals and `python -m opd.eval` are one path (`evaluate_model` under an `EvalSpec`):
 with `--recipe`, the command line evaluates exactly as the recipe's run does (its data, tools,
@@ -28,18 +25,18 @@ not of a sampling seed. `--temperature 1 --top-k 0` measures what OPD samples in
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
+from opd.backends import load_causal_lm, resolve_precision
 from opd.chat import ChatFormat
+from opd.checker import Checker, EpisodeOutcome, call_checker
 from opd.config import RolloutConfig, ToolsConfig, load_config
 from opd.errors import ConfigError, MissingFileError, OPDError
 from opd.inputs import chat_format, load_prompts
@@ -50,9 +47,6 @@ from opd.tools import ENVIRONMENT_START_FAILED, ToolExecutor
 
 GROUP_KEY = "family"
 SAMPLES_KEPT = 10
-
-Checker = Callable[..., bool]  # (final_text, record) or (final_text, record, state)
-
 
 def greedy(cfg: RolloutConfig) -> RolloutConfig:
     """The rollout's limits with greedy decoding (top_k=1 at temperature 1)."""
@@ -176,31 +170,6 @@ def episode_reward(record: dict, trajectory, tokenizer, check: Checker) -> float
     return float(_outcome(record, trajectory, tokenizer, check)["success"])
 
 
-def takes_state(check: Callable) -> bool:
-    """Whether `check` accepts a third positional argument (the episode's outcome)."""
-    try:
-        parameters = list(inspect.signature(check).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: the two-argument contract
-        return False
-    positional = [p for p in parameters
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
-
-
-@dataclass(frozen=True)
-class EpisodeOutcome:
-    """What a checker may judge besides the final text (see the module docstring)."""
-
-    state: Any
-    calls_by_turn: list[list[list[dict]]]
-
-
-def call_checker(check: Callable, text: str, record: dict, episode: EpisodeOutcome) -> bool:
-    """`check(text, record, episode)` for a checker that takes it, else `check(text, record)`
-    (see the module docstring)."""
-    return check(text, record, episode) if takes_state(check) else check(text, record)
-
-
 def summarize(outcomes: list[dict]) -> dict:
     """Aggregate per-task outcomes: overall metrics, per group (task family), samples."""
     metrics = _rates(outcomes)
@@ -236,8 +205,6 @@ def load_model(path: str | Path, device=None, key: str = "--model"):
     """A causal LM in eval mode on `device` (default: cuda when available), with the trainer's
     precision policy: bf16 and flash-attn where installed on GPU, fp32 and SDPA on CPU."""
     import torch
-
-    from opd.backends import load_causal_lm, resolve_precision
 
     if not Path(path).is_dir():
         raise MissingFileError(f"{key}: {path} is not a directory.")

@@ -17,10 +17,8 @@ import re
 import secrets
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from opd.config import WandbMode
+from opd.config import WandbMode
 
 PLOTTED = ("loss", "kl_per_token", "grad_norm", "lr", "target_tokens", "tokens_per_s",
            "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "rollout_s",

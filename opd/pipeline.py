@@ -40,8 +40,8 @@ from opd.errors import OPDError
 from opd.eval import evaluate_model, results_table, spec_from_config
 from opd.inputs import RunInputs, load_inputs
 from opd.plugins import Plugins, prepared, resolve_plugins
-from opd.sampling import sampler_class
-from opd.teachers import teacher_class
+from opd.sampling.base import sampler_class
+from opd.teachers.base import teacher_class
 from opd.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,10 +4,11 @@ A recipe names its world through these keys; the library names none:
 - `prepare`          `prepare(build: bool = True)` -> the directory "{prepared}" stands for
 - `tools.registry`   `registry()` -> `opd.tool_schemas.ToolRegistry`
 - `tools.environment` a class `Env(config)` with `call(name, arguments)`, `state()` and an
-                     optional `close()` (opd.environments); exclusive with `tools.registry`
+                     optional `close()` (the opd.environments.Environment protocol); exclusive
+                     with `tools.registry`
 - `tools.parser`     a registered parser name (`hermes`) or `module:function(text) -> [ToolCall]`
-- `eval.checker`     `check(final_text, record) -> bool`, or `check(final_text, record, state)`
-                     to receive the environment's final state (opd.eval)
+- `eval.checker`     `check(final_text, record) -> bool`, or `check(final_text, record, episode)`
+                     to receive the episode's outcome (the opd.checker.Checker protocols)
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opd.checker import Checker
+from opd.config import with_prepared
+from opd.environments import Environment, check_environment
 from opd.errors import ConfigError
+from opd.tool_calls import get_parser
+from opd.tool_schemas import ToolRegistry
 
 
 def resolve(spec: str, key: str) -> Any:
@@ -53,11 +59,11 @@ class Plugins:
     prepare: Callable | None
     tool_registry: Any  # opd.tool_schemas.ToolRegistry
     parser: Callable
-    checker: Callable | None
-    environment: type | None = None  # a stateful environment class (opd.environments)
+    checker: Checker | None
+    environment: type[Environment] | None = None  # a stateful environment class
 
     @property
-    def eval_checker(self) -> Callable[..., bool]:
+    def eval_checker(self) -> Checker:
         """The checker, to evaluate (the config requires one wherever data.eval is set)."""
         if self.checker is None:
             raise ConfigError("eval.checker must name a module:function(final_text, record) "
@@ -68,9 +74,6 @@ class Plugins:
 def resolve_plugins(config) -> Plugins:
     """Every plugin of `config`, resolved and called where cheap (the tool registry), so that a
     bad name stops the run in one sentence before any engine starts."""
-    from opd.tool_calls import get_parser
-    from opd.tool_schemas import ToolRegistry
-
     tool_registry = ToolRegistry([])
     if config.tools.registry:
         tool_registry = resolve_callable(config.tools.registry, "tools.registry")()
@@ -80,7 +83,6 @@ def resolve_plugins(config) -> Plugins:
                               "opd.tool_schemas.ToolRegistry.")
     environment = None
     if config.tools.environment:
-        from opd.environments import check_environment
         if config.tools.registry:
             raise ConfigError("tools.registry and tools.environment are exclusive: a stateful "
                               "environment answers every tool call itself; set one of them.")
@@ -102,8 +104,6 @@ def prepared(config, plugins: Plugins, *, build: bool = True):
     `build=False` asks the step for its cached output only (dry run, command-line eval); the
     config comes back unresolved when nothing is cached.
     """
-    from opd.config import with_prepared
-
     if plugins.prepare is None:
         return config
     root = plugins.prepare(build=build)

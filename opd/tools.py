@@ -38,12 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd import tool_worker
+from opd.config import MAX_CALLS_PER_TURN, MIN_MEMORY_LIMIT_MB, MIN_RESULT_CHARS
+from opd.environments import Environment, check_environment
 from opd.tool_calls import ToolCall
 from opd.tool_schemas import ToolRegistry, validate_call
-
-# Bounds the executor enforces; the config's `tools.*` rules use the same numbers.
-MIN_RESULT_CHARS = 64  # an {"error": ...} observation must fit
-MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
 
 
 @dataclass
@@ -60,7 +58,6 @@ _WORKER_BOOTSTRAP = ("import sys; sys.path[:] = sys.argv[4:]; from opd.tool_work
 # The only variables a worker inherits (and LC_*); HOME and TMPDIR are its own directory.
 SANDBOX_ENV = ("PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED",
                "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE")
-MAX_CALLS_PER_TURN = 8
 # A worker enforces each call's timeout itself; the trainer gives up on it only this much later.
 _REPLY_GRACE_S = 10.0
 
@@ -104,7 +101,9 @@ class _Worker:
         self.conn = multiprocessing.connection.Connection(parent_socket.detach())
         self.conn.send_bytes(setup)
         self.isolation: str | None = None  # set by its ready message
-        self.job: tuple[int, str] | None = None  # (index in the flat batch, tool name)
+        # The request in flight: (index in the flat batch, tool name) of a pool worker's call,
+        # the Episode of an episode worker's; None when idle.
+        self.job: Any = None
         self.deadline = time.monotonic() + start_timeout_s
 
     def stop(self) -> int:
@@ -191,7 +190,7 @@ class ToolExecutor:
                  max_result_chars: int = 2048, num_workers: int = 2, memory_limit_mb: int = 1024,
                  start_timeout_s: float = 60.0, max_calls_per_turn: int = MAX_CALLS_PER_TURN,
                  run_as: str | None = "nobody", pass_env: Sequence[str] = (),
-                 namespaces: bool = True, environment: type | None = None):
+                 namespaces: bool = True, environment: type[Environment] | None = None):
         if min(timeout_s, num_workers, start_timeout_s, max_calls_per_turn) <= 0:
             raise ValueError("ToolExecutor timeout_s, num_workers, start_timeout_s and "
                              "max_calls_per_turn must be positive")
@@ -207,7 +206,6 @@ class ToolExecutor:
                 raise ValueError(f"ToolExecutor run_as: no user named {run_as!r}") from None
             user = (run_as, entry.pw_uid, entry.pw_gid)
         if environment is not None:
-            from opd.environments import check_environment
             check_environment(environment)
         self.registry = registry
         self.environment = environment
@@ -384,11 +382,14 @@ class ToolExecutor:
         if self._closed:
             raise RuntimeError("this ToolExecutor is closed")
 
-    def _call_error(self, call: ToolCall, position: int, episode: Episode) -> str | None:
+    def _call_error(self, call: ToolCall, position: int, episode: Episode | None = None
+                    ) -> str | None:
+        """Why the call at `position` of its turn is not run (None: it runs); without an
+        episode, against the registry."""
         if position >= self.max_calls_per_turn:
             return (f"tool call {position + 1} of this turn was not run: at most "
                     f"{self.max_calls_per_turn} tool calls per turn")
-        return self.validate_call(episode, call)
+        return self.registry.validate(call) if episode is None else self.validate_call(episode, call)
 
     def _new_episode_worker(self) -> _Worker:
         worker = self._new_worker()
@@ -410,65 +411,33 @@ class ToolExecutor:
         its deadline is retired and its episode ended (ENVIRONMENT_DIED); its remaining
         requests get no reply."""
         replies: dict[Episode, list[tuple[str, str]]] = {episode: [] for episode in requests}
-        busy: set[Episode] = set()
         try:
             while True:
                 for episode, queue in requests.items():
                     worker = episode.worker
-                    if worker is None or episode in busy or not queue or not worker.isolation:
+                    if worker is None or worker.job is not None or not queue \
+                            or not worker.isolation:
                         continue
-                    try:
-                        worker.conn.send_bytes(queue.popleft())
-                    except OSError:
+                    if not self._send(worker, episode, queue.popleft()):
                         self._worker_died(episode, what, queue)
-                        continue
-                    busy.add(episode)
-                    worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
-                waiting = [episode for episode in requests if episode.worker is not None
-                           and (episode in busy or not episode.worker.isolation)]
+                waiting = [episode.worker for episode in requests if episode.worker is not None
+                           and (episode.worker.job is not None or not episode.worker.isolation)]
                 if not waiting:
                     return replies
-                workers = [episode.worker for episode in waiting if episode.worker is not None]
-                ready = multiprocessing.connection.wait(
-                    [worker.conn for worker in workers],
-                    timeout=max(min(worker.deadline for worker in workers)
-                                - time.monotonic(), 0.0))
-                for episode in waiting:
-                    worker = episode.worker
-                    assert worker is not None
-                    if worker.conn in ready:
-                        try:
-                            status, content = json.loads(worker.conn.recv_bytes())
-                        except (EOFError, OSError, ValueError):
-                            status, content = "exited", ""
-                        if status == "ready":
-                            worker.isolation = content
-                            self._note_isolation(content)
-                        elif status in ("ok", "failed", "died", "closed") and episode in busy:
-                            busy.discard(episode)
-                            replies[episode].append((status, content))
-                            if status == "died":
-                                episode._end(ENVIRONMENT_DIED, json.loads(content)["error"])
-                                requests[episode].clear()
-                        elif not worker.isolation:
-                            self._stop_all()
-                            raise RuntimeError(
-                                f"a tool worker exited before it was ready: "
-                                f"{content or 'see its traceback on stderr'}")
-                        else:
-                            busy.discard(episode)
-                            self._worker_died(episode, what, requests[episode])
-                    elif time.monotonic() >= worker.deadline:
-                        if not worker.isolation:
-                            self._stop_all()
-                            raise RuntimeError(
-                                f"a tool worker did not start within {self.start_timeout_s:g} s")
-                        busy.discard(episode)
-                        self._worker_died(episode, what, requests[episode], timed_out=True)
+                for _, episode, status, content in self._receive(waiting):
+                    if status in ("crashed", "timed_out"):
+                        self._worker_died(episode, what, requests[episode],
+                                          timed_out=status == "timed_out")
+                        continue
+                    replies[episode].append((status, content))
+                    if status == "died":
+                        episode._end(ENVIRONMENT_DIED, json.loads(content)["error"])
+                        requests[episode].clear()
         except BaseException:  # e.g. Ctrl-C: replies in flight would land in a later exchange
             for episode in requests:
-                if episode.worker is not None and (episode in busy or requests[episode]):
-                    self._retire(episode.worker)
+                worker = episode.worker
+                if worker is not None and (worker.job is not None or requests[episode]):
+                    self._retire(worker)
                     episode.worker = None
                     episode._end(ENVIRONMENT_DIED, f"interrupted during {what}")
             raise
@@ -495,12 +464,7 @@ class ToolExecutor:
         results: list[ToolResult | None] = [None] * len(flat)
         pending: deque[tuple[int, str, bytes]] = deque()
         for index, (call, position) in enumerate(flat):
-            error: str | None
-            if position >= self.max_calls_per_turn:
-                error = (f"tool call {position + 1} of this turn was not run: at most "
-                         f"{self.max_calls_per_turn} tool calls per turn")
-            else:
-                error = self.registry.validate(call)
+            error = self._call_error(call, position)
             if error is None and call.name is not None:  # a valid call has a name
                 try:
                     pending.append((index, call.name,
@@ -537,15 +501,11 @@ class ToolExecutor:
                 for position, worker in enumerate(mine):
                     if worker.isolation and worker.job is None and pending:
                         index, name, request = pending.popleft()
-                        try:
-                            worker.conn.send_bytes(request)
-                        except OSError:  # died while idle: the call never ran; it waits for another
+                        if not self._send(worker, (index, name), request):
+                            # died while idle: the call never ran; it waits for another
                             pending.appendleft((index, name, request))
                             worker.stop()
                             mine[position] = self._replace(worker)
-                            continue
-                        worker.job = (index, name)
-                        worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
                 if not pending:
                     self._release([worker for worker in mine
                                    if worker.job is None and worker.isolation])
@@ -553,13 +513,17 @@ class ToolExecutor:
                 waiting = [worker for worker in mine if worker.job or not worker.isolation]
                 if not waiting:
                     continue
-                ready = multiprocessing.connection.wait(
-                    [worker.conn for worker in waiting],
-                    timeout=max(min(worker.deadline for worker in waiting) - time.monotonic(),
-                                0.0))
-                for position, worker in enumerate(mine):
-                    if worker in waiting:
-                        mine[position] = self._settle(worker, worker.conn in ready, results)
+                for worker, (index, name), status, content in self._receive(waiting):
+                    if status in ("ok", "failed"):
+                        results[index] = ToolResult(content, status)
+                        continue
+                    exit_code = worker.stop()
+                    results[index] = self._error(
+                        f"tool {name!r} timed out after {self.timeout_s:g} s"
+                        if status == "timed_out" else
+                        f"tool {name!r} crashed its worker process (exit code {exit_code})",
+                        "failed")
+                    mine[mine.index(worker)] = self._replace(worker)
         except BaseException:
             busy = [worker for worker in mine if worker.job is not None]
             for worker in busy:
@@ -613,40 +577,59 @@ class ToolExecutor:
             self._free.clear()
             self._pool_changed.notify_all()
 
-    def _settle(self, worker: _Worker, readable: bool, results: list) -> _Worker:
-        """Take the worker's message, or handle its death or timeout; return who takes its place."""
-        if readable:
-            try:
-                status, content = json.loads(worker.conn.recv_bytes())
-            except (EOFError, OSError, ValueError):
-                status, content = "died", ""
-            if status == "ready":
-                worker.isolation = content
-                self._note_isolation(content)
-                return worker
-            if status in ("ok", "failed") and worker.job is not None:
-                results[worker.job[0]] = ToolResult(content, status)
-                worker.job = None
-                return worker
-            exit_code = worker.stop()
-            if worker.job is None:
-                self._stop_all()
-                raise RuntimeError(f"a tool worker exited with code {exit_code} before it was "
-                                   f"ready: {content or 'see its traceback on stderr'}")
-            results[worker.job[0]] = self._error(
-                f"tool {worker.job[1]!r} crashed its worker process (exit code {exit_code})",
-                "failed")
-        elif time.monotonic() < worker.deadline:
-            return worker
-        else:
-            worker.stop()
-            if worker.job is None:
+    # ------------------------------------------------------------------ the worker protocol
+
+    def _send(self, worker: _Worker, job: Any, request: bytes) -> bool:
+        """Send `request` to an idle worker that is ready; `job` (what the caller needs to file
+        the reply) is in flight until the reply or the worker's loss. False: its process is
+        gone and nothing was sent."""
+        try:
+            worker.conn.send_bytes(request)
+        except OSError:
+            return False
+        worker.job = job
+        worker.deadline = time.monotonic() + self.timeout_s + _REPLY_GRACE_S
+        return True
+
+    def _receive(self, workers: list[_Worker]) -> list[tuple[_Worker, Any, str, str]]:
+        """Wait until one of `workers` (each with a job in flight or not yet ready) speaks or
+        passes its deadline; (worker, job, status, content) of each job settled: a reply as the
+        worker sent it ("ok", "failed", or an episode's "died" or "closed"), or "crashed" (its
+        process exited or sent nonsense) or "timed_out" with content "". Ready messages are
+        taken here. A worker that exits or hangs before it is ready means its tools' or
+        environment's module does not import: every worker is stopped and this raises."""
+        ready = multiprocessing.connection.wait(
+            [worker.conn for worker in workers],
+            timeout=max(min(worker.deadline for worker in workers) - time.monotonic(), 0.0))
+        settled = []
+        for worker in workers:
+            if worker.conn in ready:
+                try:
+                    status, content = json.loads(worker.conn.recv_bytes())
+                except (EOFError, OSError, ValueError):
+                    status, content = "exited", ""
+                if status == "ready":
+                    worker.isolation = content
+                    self._note_isolation(content)
+                    continue
+                if not worker.isolation:
+                    exit_code = worker.stop()
+                    self._stop_all()
+                    raise RuntimeError(f"a tool worker exited with code {exit_code} before it "
+                                       f"was ready: {content or 'see its traceback on stderr'}")
+                if status not in ("ok", "failed", "died", "closed"):
+                    status, content = "crashed", ""
+            elif time.monotonic() < worker.deadline:
+                continue
+            elif not worker.isolation:
                 self._stop_all()
                 raise RuntimeError(
                     f"a tool worker did not start within {self.start_timeout_s:g} s")
-            results[worker.job[0]] = self._error(
-                f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
-        return self._replace(worker)
+            else:
+                status, content = "timed_out", ""
+            settled.append((worker, worker.job, status, content))
+            worker.job = None
+        return settled
 
     def _note_isolation(self, isolation: str) -> None:
         self.isolation = isolation

@@ -45,11 +45,16 @@ from opd.objective import DistillationHead
 from opd.packing import PackedBatch, empty_micro_batch, pack_varlen, per_target
 from opd.plugins import Plugins
 from opd.rewards import group_advantages, token_advantages
-from opd.sampling import sampler_class
-from opd.sampling.base import Sampler, SamplerContext
+from opd.sampling.base import Sampler, SamplerContext, sampler_class
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
-from opd.teachers import teacher_class
-from opd.teachers.base import SignalRequest, Teacher, TeacherSignal, open_head, packed_signal
+from opd.teachers.base import (
+    SignalRequest,
+    Teacher,
+    TeacherSignal,
+    open_head,
+    packed_signal,
+    teacher_class,
+)
 from opd.tools import ToolExecutor
 from opd.trajectory import AgentTrajectory
 

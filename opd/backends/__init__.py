@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from opd.config import OptimConfig, StudentConfig
+from opd.dist import World
 from opd.errors import MissingFileError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from opd.config import OptimConfig, StudentConfig
-    from opd.dist import World
 
 # (hidden_NH, weight_VH, bias_V | None) -> (loss_sum, target_count), both 0-d tensors
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -211,7 +210,7 @@ def build_student(model_path: str, student: StudentConfig, optim: OptimConfig,
                   world: World) -> StudentEngine:
     """The student engine `student.backend` names, loaded from `model_path` (model.student)."""
     if student.backend == "deepspeed":
-        from opd.backends.deepspeed import DeepSpeedStudent
+        from opd.backends.deepspeed import DeepSpeedStudent  # heavy: deepspeed; and a cycle
         return DeepSpeedStudent(model_path, student, optim, world)
-    from opd.backends.fsdp import FSDPStudent
+    from opd.backends.fsdp import FSDPStudent  # cycle: opd.backends.fsdp imports this package
     return FSDPStudent(model_path, student, optim, world)

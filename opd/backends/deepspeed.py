@@ -34,13 +34,14 @@ from opd.backends import (
     save_hf,
     set_lr,
 )
+from opd.backends.deepspeed_comm import init_deepspeed_comm
 from opd.backends.deepspeed_internals import (
     consolidated_state_dict,
     step_was_skipped,
     without_zero3_hooks,
 )
 from opd.config import OptimConfig, StudentConfig
-from opd.dist import World, init_deepspeed_comm
+from opd.dist import World
 from opd.errors import CheckpointError, ConfigError, MissingFileError
 
 # Keys our config fills in; a JSON file that sets them would say the same thing twice.

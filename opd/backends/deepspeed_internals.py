@@ -50,3 +50,17 @@ def skip_shared_memory_comm_op() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def shared_memory_all_reduce_active() -> bool:
+    """Whether DeepSpeed's communication layer set up its CPU shared-memory all-reduce."""
+    from deepspeed import comm
+
+    return comm.comm.cdb.shm_comm_op is not None
+
+
+def disable_shared_memory_all_reduce() -> None:
+    """Route every all-reduce through the process group instead of the shared-memory kernel."""
+    from deepspeed import comm
+
+    comm.comm.cdb.shm_vector_kernel_level = 0

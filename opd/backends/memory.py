@@ -29,6 +29,7 @@ import torch
 
 from opd import divergences
 from opd.backends import decoder_layers, resolve_precision
+from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,6 @@ def activation_bytes(shape: ModelShape, tokens: int, compute: int, checkpointing
 
 
 def loss_chunk_rows(vocab: int, chunk_size: int) -> int:
-    from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
     return chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // vocab)
 
 

@@ -18,10 +18,13 @@ forward calls on (HF) or implements `TurnEngine` (turns in, finished turns out).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from opd.sampling import SAMPLERS
 
 if TYPE_CHECKING:
     from opd.backends import StudentEngine
@@ -102,3 +105,9 @@ class TurnEngine(Protocol):
 def request_seed(seed: int, conversation: int, turn: int) -> int:
     """A per-request seed from (rollout seed, conversation index, turn), within vLLM's int64."""
     return (seed * 1_000_003 + conversation * 1_009 + turn) % (2 ** 62)
+
+
+def sampler_class(engine: str) -> type[Sampler]:
+    """The Sampler registered as `rollout.engine: <engine>` (the config checked the name)."""
+    module, _, name = SAMPLERS[engine].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -24,6 +24,7 @@ When it scores:
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -34,6 +35,7 @@ import torch
 
 from opd.loss import TopKTeacher
 from opd.packing import PackedBatch, per_target
+from opd.teachers import TEACHERS
 
 if TYPE_CHECKING:
     from opd.config import Config
@@ -178,3 +180,9 @@ def signal_from_hidden(hidden_NH: torch.Tensor, weight_VH: torch.Tensor,
                              topk_rest_T=torch.zeros(0))
     return TeacherScores(topk_ids_TK=torch.cat(ids), topk_logprobs_TK=torch.cat(logprobs),
                          topk_rest_T=torch.cat(rest))
+
+
+def teacher_class(engine: str) -> type[Teacher]:
+    """The Teacher registered as `teacher.engine: <engine>` (the config checked the name)."""
+    module, _, name = TEACHERS[engine].partition(":")
+    return getattr(importlib.import_module(module), name)

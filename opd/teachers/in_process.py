@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from opd.backends import load_causal_lm, resolve_precision
+from opd.backends.deepspeed_comm import init_deepspeed_comm
 from opd.config import Config
-from opd.dist import World, all_reduce, consecutive_group, init_deepspeed_comm
+from opd.dist import World, all_reduce, consecutive_group
 from opd.errors import ConfigError
 from opd.loss import TopKTeacher
 from opd.packing import PackedBatch, empty_micro_batch, pack_varlen

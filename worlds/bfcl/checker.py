@@ -36,12 +36,12 @@ from typing import Any
 from opd.tool_calls import ToolCall
 from opd.tool_schemas import Tool, ToolRegistry
 from worlds.bfcl.convert import bfcl, call_string, task_schemas
+from worlds.bfcl.environment import _not_called
 
 _RUNS = itertools.count()
 
 
 def _registry(classes: Sequence[str]) -> ToolRegistry:
-    from worlds.bfcl.environment import _not_called
     return ToolRegistry([Tool(schema, _not_called) for schema in task_schemas(list(classes))])
 
 

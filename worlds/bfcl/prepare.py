@@ -9,21 +9,20 @@ writes under `$OPD_CACHE_DIR` (default ~/.cache/opd-recipes)/bfcl/<key>/:
     prepare.json         counts, the bfcl-eval version, the split rule
 
 `prepare_smoke()` (recipes/bfcl_smoke.yaml) writes a few short base tasks and two tiny random
-Llama models (head dim 32) on the toolcalc tokenizer: a CPU run of a few real BFCL episodes.
-`<key>` hashes the bfcl-eval version and this world's code; building is atomic under a lock.
+Llama models of its own (head dim 32) on a copy of the toy tokenizer of worlds/toolcalc: a CPU
+run of a few real BFCL episodes. `<key>` hashes the bfcl-eval version, this world's code and
+the tokenizer files; `opd.cache.build_once` builds each once per machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
-import os
 import shutil
 from importlib.metadata import version
 from pathlib import Path
 
+from opd import cache
 from opd.data import write_jsonl
 from worlds.bfcl.convert import CATEGORIES, HELDOUT_MODULUS, bfcl, convert
 
@@ -31,33 +30,17 @@ WORLD_DIR = Path(__file__).parent
 SMOKE_TASKS = {"train": 4, "heldout": 2}
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd-recipes"))
-
-
-def cache_key(kind: str) -> str:
+def _out(kind: str, root: str | Path | None, files: tuple[Path, ...] = ()) -> Path:
+    """Where `kind` ("data" or "smoke") is cached: keyed by the bfcl-eval version and the code
+    (and files) it is built from."""
     bfcl()
-    digest = hashlib.sha256(f"{kind}\0{version('bfcl-eval')}".encode())
-    for path in sorted(WORLD_DIR.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+    key = cache.cache_key(f"{kind}\0{version('bfcl-eval')}",
+                          (*sorted(WORLD_DIR.glob("*.py")), *files))
+    return Path(root or cache.cache_root()) / "bfcl" / f"{kind}-{key}"
 
 
-def _cached(kind: str, build: bool, builder, root: str | Path | None) -> Path | None:
-    parent = Path(root or cache_root()) / "bfcl"
-    key = cache_key(kind)
-    out = parent / f"{kind}-{key}"
-    if (out / "prepare.json").exists() or not build:
-        return out if (out / "prepare.json").exists() else None
-    parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f"{kind}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "prepare.json").exists():
-            staging = parent / f"{kind}-{key}.tmp-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
-            builder(staging)
-            staging.rename(out)
-    return out
+def _prepared(out: Path, build: bool, builder) -> Path | None:
+    return cache.build_once(out, builder) if build else cache.cached(out)
 
 
 def _split(records: list[dict]) -> dict[str, list[dict]]:
@@ -83,15 +66,21 @@ def _build_data(out: Path) -> None:
 
 def prepare(build: bool = True, root: str | Path | None = None) -> Path | None:
     """The prepared BFCL data directory ("{prepared}"); None when not built and `build=False`."""
-    return _cached("data", build, _build_data, root)
+    return _prepared(_out("data", root), build, _build_data)
 
 
 # -- the CPU smoke world -----------------------------------------------------------------------
 
+# The toy byte-level BPE tokenizer of the toolcalc world, with its Hermes chat template: data
+# this world copies (not code it imports); its files are part of the smoke cache key.
+SMOKE_TOKENIZER_DIR = WORLD_DIR.parent / "toolcalc" / "tokenizer"
+SMOKE_TOKENIZER_FILES = tuple(sorted(SMOKE_TOKENIZER_DIR.glob("*")))
+# Tiny random Llama decoders (head dim 32): the smoke world's own student and teacher.
 SMOKE_STUDENT = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, intermediate_size=128)
 SMOKE_TEACHER = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=256)
+SMOKE_MAX_POSITIONS = 2048
 
 
 def smoke_records(records: list[dict]) -> dict[str, list[dict]]:
@@ -116,28 +105,44 @@ def _shortened(record: dict) -> dict:
     return record
 
 
-def _build_smoke(out: Path) -> None:
-    import torch
+def _smoke_model(shape: dict, tokenizer, seed: int, out: Path) -> None:
+    """A freshly initialised Llama causal LM for `tokenizer`, saved with it to `out`."""
+    import torch  # heavy: only the smoke models need torch and transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from worlds.toolcalc.models import ModelShape, build_model, save_model
-    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=SMOKE_MAX_POSITIONS,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **shape)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True,
+        temperature=1.0, top_p=1.0, top_k=0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _build_smoke(out: Path) -> None:
+    import torch  # heavy: as in _smoke_model
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
     parts = smoke_records(convert(("base",)))
     (out / "data").mkdir(parents=True)
     for part, rows in parts.items():
         write_jsonl(out / "data" / f"{part}.jsonl", rows)
-    tokenizer = load_tokenizer(TOKENIZER_DIR)
-    tokenizer.save_pretrained(out / "tokenizer")
+    shutil.copytree(SMOKE_TOKENIZER_DIR, out / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     for name, shape, seed in (("student", SMOKE_STUDENT, 0), ("teacher", SMOKE_TEACHER, 1)):
-        save_model(build_model(ModelShape(**shape), tokenizer, seed=seed), tokenizer, out / name)
+        _smoke_model(shape, tokenizer, seed, out / name)
     report = {"bfcl_eval": version("bfcl-eval"),
               "tasks": {part: [r["id"] for r in rows] for part, rows in parts.items()}}
     (out / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def prepare_smoke(build: bool = True, root: str | Path | None = None) -> Path | None:
-    return _cached("smoke", build, _build_smoke, root)
+    return _prepared(_out("smoke", root, SMOKE_TOKENIZER_FILES), build, _build_smoke)
 
 
 def main(argv: list[str] | None = None) -> Path:

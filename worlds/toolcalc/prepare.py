@@ -11,8 +11,7 @@ student that starts clearly worse.
     prepare.json                        parameters, timings, teacher/student held-out figures
 
 `<key>` hashes the parameters and the code that shapes the artifacts, so an edit re-prepares and
-an unchanged checkout reuses. Building happens in a temp directory renamed into place under a file
-lock: concurrent ranks wait for one build, and a crash never leaves a half cache behind.
+an unchanged checkout reuses; built once per machine by `opd.cache.build_once`.
 
 The teacher is judged by greedy held-out success (the eval default); its sampled (temperature 1)
 success, which is what OPD's teacher scores alongside, is recorded too.
@@ -21,10 +20,7 @@ success, which is what OPD's teacher scores alongside, is recorded too.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -34,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd import cache
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.data import completion_trajectory, load_jsonl, write_jsonl
@@ -151,41 +148,20 @@ class Prepared:
         return self.root / "data" / "prompts.jsonl"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("OPD_CACHE_DIR", Path.home() / ".cache" / "opd-recipes"))
-
-
 def cache_key(cfg: PrepareConfig) -> str:
-    digest = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode())
-    for path in KEYED_FILES:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+    return cache.cache_key(json.dumps(asdict(cfg), sort_keys=True), KEYED_FILES)
 
 
 def prepare(cfg: PrepareConfig = PrepareConfig(), root: str | Path | None = None, *,
             force: bool = False, build: bool = True) -> Prepared | None:
     """The prepared world for `cfg`, built now unless already cached (`build=False`: the cached
     world or None, never building; `--dry-run` sizes the models with it)."""
-    parent = Path(root or cache_root()) / "toolcalc"
-    key = cache_key(cfg)
-    prepared = Prepared(parent / key)
-    if not build:
-        done = (prepared.root / "prepare.json").exists()
-        return Prepared(prepared.root, json.loads((prepared.root / "prepare.json").read_text())) \
-            if done else None
-    parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if force and prepared.root.exists():
-            shutil.rmtree(prepared.root)
-        if not (prepared.root / "prepare.json").exists():
-            for stale in parent.glob(f"{key}.tmp-*"):
-                shutil.rmtree(stale)
-            staging = parent / f"{key}.tmp-{os.getpid()}"
-            _build(cfg, Prepared(staging))
-            staging.rename(prepared.root)
-    prepared.report = json.loads((prepared.root / "prepare.json").read_text())
-    return prepared
+    out = Path(root or cache.cache_root()) / "toolcalc" / cache_key(cfg)
+    if build:
+        cache.build_once(out, lambda staging: _build(cfg, Prepared(staging)), force=force)
+    elif cache.cached(out) is None:
+        return None
+    return Prepared(out, json.loads((out / cache.MARKER).read_text()))
 
 
 def _prepare_step(cfg: PrepareConfig, doc: str) -> Callable[..., Prepared | None]:

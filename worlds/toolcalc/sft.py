@@ -62,7 +62,7 @@ def sft_loss(model, input_ids_BT, attention_mask_BT, targets_BT, prefix_length: 
 def _forward_with_shared_prefix(model, input_ids_BT, attention_mask_BT, prefix_length: int):
     import torch
 
-    from opd.rollout import cache_argument_name
+    from opd.rollout import cache_argument_name  # heavy: torch, as above
 
     batch, length = input_ids_BT.shape
     cache_name = cache_argument_name(model.model)
@@ -89,7 +89,7 @@ def sft(model, trajectories: list, *, steps: int, batch_size: int, lr: float, wa
     import torch
     from tqdm import tqdm
 
-    from opd.packing import pack_trajectories
+    from opd.packing import pack_trajectories  # heavy: torch, as above
 
     device = next(model.parameters()).device
     prefix_length = shared_prefix_length(trajectories)

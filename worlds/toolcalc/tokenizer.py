@@ -25,6 +25,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from worlds.toolcalc.tasks import generate_tasks, oracle_record
+
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 TOKENIZER_DIR = Path(__file__).with_name("tokenizer")
 VOCAB_SIZE = 1280
@@ -46,8 +48,6 @@ def chat_template() -> str:
 def corpus(size: int = CORPUS_SIZE, seed: int = CORPUS_SEED) -> list[str]:
     """Oracle conversations of the generator, rendered by the chat template."""
     from transformers.utils.chat_template_utils import render_jinja_template
-
-    from worlds.toolcalc.tasks import generate_tasks, oracle_record
 
     records = [oracle_record(task) for task in generate_tasks(size, seed)]
     template = chat_template()
