@@ -90,13 +90,16 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _call_tool(call: Callable[[], Any], name: str, limit: int,
-               memory_mb: int) -> tuple[str, str]:
+def _call_tool(call: Callable[[], Any], name: str, limit: int, memory_mb: int,
+               text: bool = False) -> tuple[str, str]:
     """(status, content): whatever `call()` (tool `name`) does, one JSON text of at most `limit`
-    characters."""
+    characters; with `text` (an environment's TEXT_OBSERVATIONS), a str result is the content
+    as it is."""
     try:
         value = call()
         try:
+            if text and isinstance(value, str):
+                return "ok", cap_result(value, limit)
             return "ok", cap_result(_dumps(value), limit)
         except (TypeError, ValueError, RecursionError) as exc:
             return "failed", error_content(f"tool {name!r} returned a value that is not "
@@ -122,6 +125,14 @@ def _limit_address_space(memory_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     except (ImportError, OSError, StopIteration, ValueError):
         pass  # no /proc or rlimits here: the wall-clock timeout still bounds the tool
+
+
+def _limit_file_size(memory_mb: int) -> None:
+    """Writing a file past memory_mb raises OSError (EFBIG) instead of killing the writer."""
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (memory_mb * 2**20, memory_mb * 2**20))
 
 
 def _libc() -> Any:
@@ -179,6 +190,73 @@ def _mount_proc(libc: Any) -> bool:
                            None) == 0)
 
 
+# Standard-library modules the interpreter imports only when first used (datetime.strptime
+# imports _strptime; a codec lookup imports its encodings module). A call child that runs as
+# another user may not read the interpreter's files (a Python under a 0700 home): the zygote
+# imports them while it still can, and every child inherits them.
+LAZY_STDLIB_MODULES = ("_strptime", "encodings.idna", "stringprep", "unicodedata", "locale",
+                       "calendar")
+# Written in the worker's directory while the environment's preload() runs.
+PRELOAD_MARKER = ".opd-preloading"
+
+
+def _preload_lazy_imports() -> None:
+    import importlib
+    import pkgutil
+
+    import encodings
+
+    codecs = [f"encodings.{m.name}" for m in pkgutil.iter_modules(encodings.__path__)]
+    for module in (*LAZY_STDLIB_MODULES, *codecs):
+        with contextlib.suppress(Exception):  # a codec of another platform (mbcs, oem)
+            importlib.import_module(module)
+
+
+# Paths that get one private tmpfs (size memory_limit_mb) in the worker's mount namespace: /tmp
+# itself, and two of its directories bind-mounted over /var/tmp and /dev/shm.
+_PRIVATE_TMP = "/tmp"
+_BOUND_TMP = {"/var/tmp": ".opd-var-tmp", "/dev/shm": ".opd-dev-shm"}
+_MS_BIND = 4096
+
+
+def _mount_private_tmp(libc: Any, memory_mb: int) -> bool:
+    """A tmpfs of memory_mb MiB over /tmp, /var/tmp and /dev/shm, seen only by the zygote and
+    its children (a mount namespace of their own: the launcher still sees the host's /tmp and
+    removes the worker's directory there)."""
+    options = f"size={memory_mb}m,mode=1777".encode()
+    if libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(b"tmpfs", _PRIVATE_TMP.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                  options) != 0:
+        return False
+    for target, name in _BOUND_TMP.items():
+        source = os.path.join(_PRIVATE_TMP, name)
+        os.mkdir(source)
+        os.chmod(source, 0o1777)
+        if os.path.isdir(target) and \
+                libc.mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
+            return False
+    return True
+
+
+def _reset_private_tmp(workdir: str, drop: tuple | None) -> None:
+    """Empty the private tmpfs, then give the worker its (empty) directory back: the trainer
+    made it on the host's /tmp, which the tmpfs hides."""
+    with contextlib.suppress(OSError), os.scandir(_PRIVATE_TMP) as entries:
+        for entry in entries:
+            if entry.name in _BOUND_TMP.values():
+                _empty(entry.path)
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    if not os.path.isdir(workdir):
+        os.makedirs(workdir, mode=0o700)
+        if drop:
+            os.chown(workdir, drop[1], drop[2])
+    _empty(workdir)  # a directory outside /tmp (the trainer's TMPDIR) is not in the tmpfs
+    os.chdir(workdir)
+
+
 def serve(fd: int, namespaced: bool, libc: Any) -> None:
     """Zygote: take the setup, import the tools, then run each (name, arguments) request in a
     child of its own until EOF."""
@@ -194,9 +272,13 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
         with contextlib.suppress(OSError):
             _send(conn, "error", f"cannot load the tool functions: {_describe_exception(exc)}")
         return
+    _preload_lazy_imports()
     try:  # while still the trainer's user: episode children may not read its files
         if environment is not None and hasattr(environment, "preload"):
+            with open(PRELOAD_MARKER, "w"):  # the trainer names the environment if it hangs
+                pass
             environment.preload()
+            os.unlink(PRELOAD_MARKER)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             _send(conn, "error", f"{getattr(environment, '__name__', 'the environment')}."
@@ -207,11 +289,24 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     os.dup2(devnull, 2)
     pid1 = namespaced and os.getpid() == 1
     isolation = ["pid-namespace" + ("+proc" if pid1 and _mount_proc(libc) else "")] if pid1 else []
+    workdir = os.getcwd()
+    private_tmp = pid1 and _mount_private_tmp(libc, memory_mb)
+    if private_tmp:
+        isolation.append("tmp")
+        _reset_private_tmp(workdir, drop)
+    else:  # the host's /tmp, /var/tmp and /dev/shm: at least no file over the memory limit
+        _limit_file_size(memory_mb)
     if drop:
         isolation.append(f"uid:{drop[0]}")
     _limit_address_space(memory_mb)
     _send(conn, "ready", "+".join(isolation) or "none")
-    workdir = os.getcwd()
+
+    def clean() -> None:  # what a call or an episode wrote dies with it
+        if private_tmp:
+            _reset_private_tmp(workdir, drop)
+        else:
+            _empty(workdir)
+
     episode: _Episode | None = None
     while True:
         try:
@@ -224,7 +319,7 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
             name, arguments = request
             _send(conn, *_run_call(functions[name], name, arguments, max_result_chars,
                                    memory_mb, timeout_s, fd, drop, pid1, libc))
-            _empty(workdir)
+            clean()
             continue
         op = request["op"]
         if op == "open":
@@ -237,7 +332,7 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
             if episode is not None:
                 episode.close()
             episode = None
-            _empty(workdir)
+            clean()
             reply = ("closed", "")
         elif episode is None or episode.dead:
             reply = ("died", error_content("the environment of this episode is gone",
@@ -337,7 +432,8 @@ def _episode_main(conn: multiprocessing.connection.Connection, environment: Any,
             return
         if request["op"] == "call":
             name, arguments = request["name"], request["arguments"]
-            reply = _call_tool(lambda: env.call(name, arguments), name, limit, memory_mb)
+            reply = _call_tool(lambda: env.call(name, arguments), name, limit, memory_mb,
+                               text=bool(getattr(environment, "TEXT_OBSERVATIONS", False)))
         elif request["op"] == "state":
             reply = _final_state(env, limit, memory_mb)
         else:  # close

@@ -48,7 +48,8 @@ MIN_MEMORY_LIMIT_MB = 32  # below this a worker cannot unpickle a call
 
 @dataclass
 class ToolResult:
-    content: str   # JSON text shown to the student, at most max_result_chars characters
+    content: str   # JSON text shown to the student (or an environment's TEXT_OBSERVATIONS
+    #                text as it is), at most max_result_chars characters
     status: str    # "ok" | "invalid" | "failed"
 
 
@@ -303,7 +304,8 @@ class ToolExecutor:
         tools, else the episode's offered schemas."""
         if episode.stateful:
             return validate_call(call, {schema["function"]["name"]: schema
-                                        for schema in episode.tools})
+                                        for schema in episode.tools},
+                                 getattr(self.environment, "CHECK_ARGUMENT_TYPES", True))
         return self.registry.validate(call)
 
     def run_episode_calls(self, calls: dict[Episode, list[ToolCall]]
@@ -473,9 +475,9 @@ class ToolExecutor:
                             self._worker_died(episode, what, requests[episode])
                     elif time.monotonic() >= worker.deadline:
                         if not worker.isolation:
+                            message = self._start_timeout_message(worker)
                             self._stop_all()
-                            raise RuntimeError(
-                                f"a tool worker did not start within {self.start_timeout_s:g} s")
+                            raise RuntimeError(message)
                         busy.discard(episode)
                         self._worker_died(episode, what, requests[episode], timed_out=True)
         except BaseException:  # e.g. Ctrl-C: replies in flight would land in a later exchange
@@ -652,14 +654,21 @@ class ToolExecutor:
         elif time.monotonic() < worker.deadline:
             return worker
         else:
+            message = self._start_timeout_message(worker)  # before stop() removes its directory
             worker.stop()
             if worker.job is None:
                 self._stop_all()
-                raise RuntimeError(
-                    f"a tool worker did not start within {self.start_timeout_s:g} s")
+                raise RuntimeError(message)
             results[worker.job[0]] = self._error(
                 f"tool {worker.job[1]!r} timed out after {self.timeout_s:g} s", "failed")
         return self._replace(worker)
+
+    def _start_timeout_message(self, worker: _Worker) -> str:
+        if os.path.exists(os.path.join(worker.workdir, tool_worker.PRELOAD_MARKER)):
+            name = getattr(self.environment, "__qualname__", "the environment")
+            return (f"a tool worker did not start within {self.start_timeout_s:g} s: "
+                    f"{name}.preload() (tools.environment) had not returned")
+        return f"a tool worker did not start within {self.start_timeout_s:g} s"
 
     def _note_isolation(self, isolation: str) -> None:
         self.isolation = isolation
