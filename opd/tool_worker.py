@@ -47,6 +47,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from opd import sandbox_fs
+
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
@@ -127,14 +129,6 @@ def _limit_address_space(memory_mb: int) -> None:
         pass  # no /proc or rlimits here: the wall-clock timeout still bounds the tool
 
 
-def _limit_file_size(memory_mb: int) -> None:
-    """Writing a file past memory_mb raises OSError (EFBIG) instead of killing the writer."""
-    with contextlib.suppress(ImportError, OSError, ValueError):
-        import resource
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (memory_mb * 2**20, memory_mb * 2**20))
-
-
 def _libc() -> Any:
     try:
         return ctypes.CDLL(None, use_errno=True)
@@ -190,71 +184,8 @@ def _mount_proc(libc: Any) -> bool:
                            None) == 0)
 
 
-# Standard-library modules the interpreter imports only when first used (datetime.strptime
-# imports _strptime; a codec lookup imports its encodings module). A call child that runs as
-# another user may not read the interpreter's files (a Python under a 0700 home): the zygote
-# imports them while it still can, and every child inherits them.
-LAZY_STDLIB_MODULES = ("_strptime", "encodings.idna", "stringprep", "unicodedata", "locale",
-                       "calendar")
 # Written in the worker's directory while the environment's preload() runs.
 PRELOAD_MARKER = ".opd-preloading"
-
-
-def _preload_lazy_imports() -> None:
-    import importlib
-    import pkgutil
-
-    import encodings
-
-    codecs = [f"encodings.{m.name}" for m in pkgutil.iter_modules(encodings.__path__)]
-    for module in (*LAZY_STDLIB_MODULES, *codecs):
-        with contextlib.suppress(Exception):  # a codec of another platform (mbcs, oem)
-            importlib.import_module(module)
-
-
-# Paths that get one private tmpfs (size memory_limit_mb) in the worker's mount namespace: /tmp
-# itself, and two of its directories bind-mounted over /var/tmp and /dev/shm.
-_PRIVATE_TMP = "/tmp"
-_BOUND_TMP = {"/var/tmp": ".opd-var-tmp", "/dev/shm": ".opd-dev-shm"}
-_MS_BIND = 4096
-
-
-def _mount_private_tmp(libc: Any, memory_mb: int) -> bool:
-    """A tmpfs of memory_mb MiB over /tmp, /var/tmp and /dev/shm, seen only by the zygote and
-    its children (a mount namespace of their own: the launcher still sees the host's /tmp and
-    removes the worker's directory there)."""
-    options = f"size={memory_mb}m,mode=1777".encode()
-    if libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(b"tmpfs", _PRIVATE_TMP.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                  options) != 0:
-        return False
-    for target, name in _BOUND_TMP.items():
-        source = os.path.join(_PRIVATE_TMP, name)
-        os.mkdir(source)
-        os.chmod(source, 0o1777)
-        if os.path.isdir(target) and \
-                libc.mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0:
-            return False
-    return True
-
-
-def _reset_private_tmp(workdir: str, drop: tuple | None) -> None:
-    """Empty the private tmpfs, then give the worker its (empty) directory back: the trainer
-    made it on the host's /tmp, which the tmpfs hides."""
-    with contextlib.suppress(OSError), os.scandir(_PRIVATE_TMP) as entries:
-        for entry in entries:
-            if entry.name in _BOUND_TMP.values():
-                _empty(entry.path)
-            elif entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-    if not os.path.isdir(workdir):
-        os.makedirs(workdir, mode=0o700)
-        if drop:
-            os.chown(workdir, drop[1], drop[2])
-    _empty(workdir)  # a directory outside /tmp (the trainer's TMPDIR) is not in the tmpfs
-    os.chdir(workdir)
 
 
 def serve(fd: int, namespaced: bool, libc: Any) -> None:
@@ -272,7 +203,6 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
         with contextlib.suppress(OSError):
             _send(conn, "error", f"cannot load the tool functions: {_describe_exception(exc)}")
         return
-    _preload_lazy_imports()
     try:  # while still the trainer's user: episode children may not read its files
         if environment is not None and hasattr(environment, "preload"):
             with open(PRELOAD_MARKER, "w"):  # the trainer names the environment if it hangs
@@ -290,22 +220,22 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     pid1 = namespaced and os.getpid() == 1
     isolation = ["pid-namespace" + ("+proc" if pid1 and _mount_proc(libc) else "")] if pid1 else []
     workdir = os.getcwd()
-    private_tmp = pid1 and _mount_private_tmp(libc, memory_mb)
-    if private_tmp:
-        isolation.append("tmp")
-        _reset_private_tmp(workdir, drop)
-    else:  # the host's /tmp, /var/tmp and /dev/shm: at least no file over the memory limit
-        _limit_file_size(memory_mb)
+    mounted = sandbox_fs.private_filesystem(libc, memory_mb, drop, workdir) if pid1 else []
+    isolation += mounted
+    if drop and "imports" not in mounted:  # the sandbox user may not read the interpreter
+        sandbox_fs.preload_lazy_imports()
+    if "tmp" not in mounted:  # the host's /tmp, /var/tmp and /dev/shm: no file over the limit
+        sandbox_fs.limit_file_size(memory_mb)
     if drop:
         isolation.append(f"uid:{drop[0]}")
     _limit_address_space(memory_mb)
     _send(conn, "ready", "+".join(isolation) or "none")
 
     def clean() -> None:  # what a call or an episode wrote dies with it
-        if private_tmp:
-            _reset_private_tmp(workdir, drop)
+        if "tmp" in mounted:
+            sandbox_fs.reset_private_tmp(workdir, drop)
         else:
-            _empty(workdir)
+            sandbox_fs.empty(workdir)
 
     episode: _Episode | None = None
     while True:
@@ -534,13 +464,3 @@ def _sweep(child: int, pid1: bool) -> int:
             return exit_code
         if pid == child:
             exit_code = os.waitstatus_to_exitcode(status)
-
-
-def _empty(directory: str) -> None:
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
