@@ -15,6 +15,9 @@ whole namespace.
 What a tool cannot do, by the isolation in force (reported as ToolExecutor.isolation):
 - "pid-namespace...": see or signal any process outside its namespace (the trainer included);
   /proc shows only the namespace where it could be mounted afresh.
+- "+imports", "+tmp" (a mount namespace, opd.sandbox_fs): the interpreter and import path are
+  readable to the call's user, and /tmp, /var/tmp, /dev/shm are one private tmpfs of
+  memory_limit_mb, emptied after every call and episode.
 - "+uid:NAME" (the trainer is root): signal, ptrace or read the /proc files of the trainer's
   processes, or write files only root may write.
 - a trainer that is not root runs calls as itself; in a user namespace, each call child enters
