@@ -223,7 +223,8 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     pid1 = namespaced and os.getpid() == 1
     isolation = ["pid-namespace" + ("+proc" if pid1 and _mount_proc(libc) else "")] if pid1 else []
     workdir = os.getcwd()
-    mounted = sandbox_fs.private_filesystem(libc, memory_mb, drop, workdir) if pid1 else []
+    mounted, private_tmp = sandbox_fs.private_filesystem(libc, memory_mb, drop, workdir) \
+        if pid1 else ([], None)
     isolation += mounted
     if drop and "imports" not in mounted:  # the sandbox user may not read the interpreter
         sandbox_fs.preload_lazy_imports()
@@ -235,10 +236,10 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     _send(conn, "ready", "+".join(isolation) or "none")
 
     def clean() -> None:  # what a call or an episode wrote dies with it
-        if "tmp" in mounted:
-            sandbox_fs.reset_private_tmp(workdir, drop)
-        else:
+        if private_tmp is None:
             sandbox_fs.empty(workdir)
+        elif not private_tmp.fresh():
+            raise OSError("cannot remake the private /tmp")  # the trainer replaces the worker
 
     episode: _Episode | None = None
     while True:

@@ -246,3 +246,18 @@ def test_lazily_imported_standard_library_works_after_the_privilege_drop(executo
     # any module on the import path, not only those the standard library imports lazily
     result = _run_one(executor, "lazy_import", module="statistics")
     assert (result.status, result.content) == ("ok", '"statistics"')
+
+
+def test_an_import_path_under_tmp_stays_importable_at_call_time(tmp_path, monkeypatch):
+    """A project cloned under /tmp (or pytest's 0700 tmp_path) is on the worker's sys.path: the
+    private /tmp keeps it reachable for the call's user, and remaking /tmp never touches it."""
+    package = tmp_path / "late_imports"
+    package.mkdir()
+    (package / "late_module_for_sandbox.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(package))
+    with ToolExecutor(_registry(), timeout_s=30.0, num_workers=1) as pool:
+        for _ in range(2):  # the second call runs in a remade /tmp
+            result = _run_one(pool, "lazy_import", module="late_module_for_sandbox")
+            assert (result.status, result.content) == ("ok", '"late_module_for_sandbox"')
+            assert _run_one(pool, "write_scratch", token="x").status == "ok"
+    assert (package / "late_module_for_sandbox.py").read_text() == "VALUE = 42\n"
