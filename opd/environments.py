@@ -13,6 +13,8 @@ conforms to the `Environment` protocol below:
         def close(self) -> None: ...                 # optional
         @classmethod
         def preload(cls) -> None: ...                # optional, see below
+        TEXT_OBSERVATIONS = False                    # optional: a str result is shown as is
+        CHECK_ARGUMENT_TYPES = True                  # optional: False checks names only
 
 - The tools the student may call, and their argument schemas, are the record's "tools" (OpenAI
   function schemas), plus its "tools_by_turn" entries as user turns reach them (opd.data).
@@ -20,7 +22,11 @@ conforms to the `Environment` protocol below:
   offered, or with arguments of the wrong type, never reaches `call` and is answered by an
   `{"error": ...}` observation (status "invalid").
 - `call` returns the observation value; its JSON (capped at `tools.max_result_chars`) is what
-  the student sees. An exception raised by `call` becomes that call's `{"error": ...}`
+  the student sees, or, with `TEXT_OBSERVATIONS = True`, a returned str as it is (a benchmark
+  whose observations are text, such as BFCL's). With `CHECK_ARGUMENT_TYPES = False` the
+  executor checks only a call's tool and argument names (required present, none unknown), not
+  the values' types or enums: for a benchmark that passes any value to its functions. An
+  exception raised by `call` becomes that call's `{"error": ...}`
   observation (status "failed"); the environment and its state live on.
 - The environment lives in one sandboxed process for the episode's lifetime (opd.tool_worker):
   the sandbox of stateless tools (scrubbed environment, own directory, unprivileged user, PID
@@ -38,11 +44,13 @@ conforms to the `Environment` protocol below:
 
 The class must be importable by name from a module (not defined in `__main__`): the worker
 imports it there. When the trainer runs as root, episodes run as an unprivileged user that may
-not read the trainer's files (a Python installed under /root, data under a private home): a
-module or data file imported lazily in `__init__` would then fail. `preload()`, when the class
-has it, runs once in each worker before any episode, still as the trainer's user: import and
-read there what every episode needs (episodes are forked from it and inherit it). If it raises,
-the worker does not start and the run stops with the reason.
+not read the trainer's files (data under a private home). The interpreter and the import path
+are made readable to it where the worker has a mount namespace (opd.sandbox_fs), so a module
+imported lazily still loads; a data file read lazily in `__init__` would fail. `preload()`, when
+the class has it, runs once in each worker before any episode, still as the trainer's user:
+import and read there what every episode needs (episodes are forked from it and inherit it).
+If it raises, the worker does not start and the run stops with the reason; if it hangs, the
+run stops after the worker start timeout with a sentence naming it.
 """
 
 from __future__ import annotations

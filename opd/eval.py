@@ -109,7 +109,7 @@ def evaluate(model, chat, executor, records: Sequence[dict], check: Checker, cfg
         for record, trajectory in zip(batch, trajectories):
             outcomes.append(_outcome(record, trajectory, chat.tokenizer, check))
         _refuse_environments_that_never_start(trajectories)
-    return summarize(outcomes)
+    return summarize(outcomes, getattr(check, "accuracy_name", None))
 
 
 def _refuse_environments_that_never_start(trajectories: Sequence) -> None:
@@ -170,8 +170,14 @@ def episode_reward(record: dict, trajectory, tokenizer, check: Checker) -> float
     return float(_outcome(record, trajectory, tokenizer, check)["success"])
 
 
-def summarize(outcomes: list[dict]) -> dict:
-    """Aggregate per-task outcomes: overall metrics, per group (task family), samples."""
+def summarize(outcomes: list[dict], accuracy_name: str | None = None) -> dict:
+    """Aggregate per-task outcomes: overall metrics, per group (task family), samples.
+
+    `accuracy_name` (a checker's `accuracy_name` attribute, e.g. "bfcl_accuracy"): the
+    benchmark's own figure under that name, beside the stricter success_rate: the checker's
+    verdict alone (a refused or failed call, or a cut observation, does not fail a task the
+    checker accepts), per group, and overall as the unweighted mean of the groups' figures (as
+    BFCL averages its categories; the mean over tasks when there are no groups)."""
     metrics = _rates(outcomes)
     groups = defaultdict(list)
     for outcome in outcomes:
@@ -179,6 +185,13 @@ def summarize(outcomes: list[dict]) -> dict:
             groups[outcome["group"]].append(outcome)
     if groups:
         metrics["per_group"] = {name: _rates(group) for name, group in sorted(groups.items())}
+    if accuracy_name:
+        metrics[accuracy_name] = metrics["answer_accuracy"]
+        if groups:
+            for rates in metrics["per_group"].values():
+                rates[accuracy_name] = rates["answer_accuracy"]
+            metrics[accuracy_name] = sum(rates["answer_accuracy"] for rates in
+                                         metrics["per_group"].values()) / len(groups)
     metrics["samples"] = [{key: o[key] for key in ("question", "final_text", "success",
                                                     "truncation_reason")}
                           for o in outcomes[:SAMPLES_KEPT]]

@@ -65,14 +65,19 @@ class ToolRegistry:
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
 
-    def validate(self, call: ToolCall) -> str | None:
-        """The sentence the student sees for an invalid call, or None when the call is valid."""
-        return validate_call(call, {name: tool.schema for name, tool in self._by_name.items()})
+    def validate(self, call: ToolCall, check_types: bool = True) -> str | None:
+        """The sentence the student sees for an invalid call, or None when the call is valid
+        (`check_types`: see validate_call)."""
+        return validate_call(call, {name: tool.schema for name, tool in self._by_name.items()},
+                             check_types)
 
 
-def validate_call(call: ToolCall, schemas: dict[str, dict]) -> str | None:
+def validate_call(call: ToolCall, schemas: dict[str, dict], check_types: bool = True
+                  ) -> str | None:
     """The sentence the student sees when `call` does not match its tool among `schemas` (OpenAI
-    function schemas by name), or None when it is valid."""
+    function schemas by name), or None when it is valid. Without `check_types` only the names
+    are checked (a known tool, its required arguments present, no unknown argument): the values
+    go to the function as they are, as a benchmark that calls Python methods directly does."""
     if call.error is not None:
         return call.error
     schema = schemas.get(call.name) if call.name is not None else None
@@ -85,6 +90,13 @@ def validate_call(call: ToolCall, schemas: dict[str, dict]) -> str | None:
         return (f"arguments of tool {call.name!r} are nested deeper than "
                 f"{MAX_ARGUMENT_DEPTH} levels")
     parameters = {"properties": {}, **schema["function"].get("parameters", {})}
+    if not check_types:
+        parameters = {key: parameters[key] for key in ("properties", "required",
+                                                       "additionalProperties")
+                      if key in parameters}
+        parameters["properties"] = {key: {} for key in parameters["properties"]}
+        if isinstance(parameters.get("additionalProperties"), dict):
+            parameters["additionalProperties"] = True
     try:
         return _schema_error(call.arguments, parameters, call.name, ())
     except (AttributeError, KeyError, TypeError, ValueError):  # a record's own malformed schema

@@ -15,6 +15,9 @@ whole namespace.
 What a tool cannot do, by the isolation in force (reported as ToolExecutor.isolation):
 - "pid-namespace...": see or signal any process outside its namespace (the trainer included);
   /proc shows only the namespace where it could be mounted afresh.
+- "+imports", "+tmp" (a mount namespace, opd.sandbox_fs): the interpreter and import path are
+  readable to the call's user, and /tmp, /var/tmp, /dev/shm are one private tmpfs of
+  memory_limit_mb, emptied after every call and episode.
 - "+uid:NAME" (the trainer is root): signal, ptrace or read the /proc files of the trainer's
   processes, or write files only root may write.
 - a trainer that is not root runs calls as itself; in a user namespace, each call child enters
@@ -46,6 +49,8 @@ import shutil
 import signal
 from collections.abc import Callable
 from typing import Any
+
+from opd import sandbox_fs
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
@@ -90,13 +95,16 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _call_tool(call: Callable[[], Any], name: str, limit: int,
-               memory_mb: int) -> tuple[str, str]:
+def _call_tool(call: Callable[[], Any], name: str, limit: int, memory_mb: int,
+               text: bool = False) -> tuple[str, str]:
     """(status, content): whatever `call()` (tool `name`) does, one JSON text of at most `limit`
-    characters."""
+    characters; with `text` (an environment's TEXT_OBSERVATIONS), a str result is the content
+    as it is."""
     try:
         value = call()
         try:
+            if text and isinstance(value, str):
+                return "ok", cap_result(value, limit)
             return "ok", cap_result(_dumps(value), limit)
         except (TypeError, ValueError, RecursionError) as exc:
             return "failed", error_content(f"tool {name!r} returned a value that is not "
@@ -179,6 +187,10 @@ def _mount_proc(libc: Any) -> bool:
                            None) == 0)
 
 
+# Written in the worker's directory while the environment's preload() runs.
+PRELOAD_MARKER = ".opd-preloading"
+
+
 def serve(fd: int, namespaced: bool, libc: Any) -> None:
     """Zygote: take the setup, import the tools, then run each (name, arguments) request in a
     child of its own until EOF."""
@@ -196,7 +208,10 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
         return
     try:  # while still the trainer's user: episode children may not read its files
         if environment is not None and hasattr(environment, "preload"):
+            with open(PRELOAD_MARKER, "w"):  # the trainer names the environment if it hangs
+                pass
             environment.preload()
+            os.unlink(PRELOAD_MARKER)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             _send(conn, "error", f"{getattr(environment, '__name__', 'the environment')}."
@@ -207,11 +222,25 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
     os.dup2(devnull, 2)
     pid1 = namespaced and os.getpid() == 1
     isolation = ["pid-namespace" + ("+proc" if pid1 and _mount_proc(libc) else "")] if pid1 else []
+    workdir = os.getcwd()
+    mounted, private_tmp = sandbox_fs.private_filesystem(libc, memory_mb, drop, workdir) \
+        if pid1 else ([], None)
+    isolation += mounted
+    if drop and "imports" not in mounted:  # the sandbox user may not read the interpreter
+        sandbox_fs.preload_lazy_imports()
+    if "tmp" not in mounted:  # the host's /tmp, /var/tmp and /dev/shm: no file over the limit
+        sandbox_fs.limit_file_size(memory_mb)
     if drop:
         isolation.append(f"uid:{drop[0]}")
     _limit_address_space(memory_mb)
     _send(conn, "ready", "+".join(isolation) or "none")
-    workdir = os.getcwd()
+
+    def clean() -> None:  # what a call or an episode wrote dies with it
+        if private_tmp is None:
+            sandbox_fs.empty(workdir)
+        elif not private_tmp.fresh():
+            raise OSError("cannot remake the private /tmp")  # the trainer replaces the worker
+
     episode: _Episode | None = None
     while True:
         try:
@@ -224,7 +253,7 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
             name, arguments = request
             _send(conn, *_run_call(functions[name], name, arguments, max_result_chars,
                                    memory_mb, timeout_s, fd, drop, pid1, libc))
-            _empty(workdir)
+            clean()
             continue
         op = request["op"]
         if op == "open":
@@ -237,7 +266,7 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
             if episode is not None:
                 episode.close()
             episode = None
-            _empty(workdir)
+            clean()
             reply = ("closed", "")
         elif episode is None or episode.dead:
             reply = ("died", error_content("the environment of this episode is gone",
@@ -337,7 +366,8 @@ def _episode_main(conn: multiprocessing.connection.Connection, environment: Any,
             return
         if request["op"] == "call":
             name, arguments = request["name"], request["arguments"]
-            reply = _call_tool(lambda: env.call(name, arguments), name, limit, memory_mb)
+            reply = _call_tool(lambda: env.call(name, arguments), name, limit, memory_mb,
+                               text=bool(getattr(environment, "TEXT_OBSERVATIONS", False)))
         elif request["op"] == "state":
             reply = _final_state(env, limit, memory_mb)
         else:  # close
@@ -438,13 +468,3 @@ def _sweep(child: int, pid1: bool) -> int:
             return exit_code
         if pid == child:
             exit_code = os.waitstatus_to_exitcode(status)
-
-
-def _empty(directory: str) -> None:
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)

@@ -46,7 +46,8 @@ from opd.tool_schemas import ToolRegistry, validate_call
 
 @dataclass
 class ToolResult:
-    content: str   # JSON text shown to the student, at most max_result_chars characters
+    content: str   # JSON text shown to the student (or an environment's TEXT_OBSERVATIONS
+    #                text as it is), at most max_result_chars characters
     status: str    # "ok" | "invalid" | "failed"
 
 
@@ -288,7 +289,8 @@ class ToolExecutor:
         tools, else the episode's offered schemas."""
         if episode.stateful:
             return validate_call(call, {schema["function"]["name"]: schema
-                                        for schema in episode.tools})
+                                        for schema in episode.tools},
+                                 getattr(self.environment, "CHECK_ARGUMENT_TYPES", True))
         return self.registry.validate(call)
 
     def run_episode_calls(self, calls: dict[Episode, list[ToolCall]]
@@ -622,14 +624,21 @@ class ToolExecutor:
             elif time.monotonic() < worker.deadline:
                 continue
             elif not worker.isolation:
+                message = self._start_timeout_message(worker)  # before its directory goes
                 self._stop_all()
-                raise RuntimeError(
-                    f"a tool worker did not start within {self.start_timeout_s:g} s")
+                raise RuntimeError(message)
             else:
                 status, content = "timed_out", ""
             settled.append((worker, worker.job, status, content))
             worker.job = None
         return settled
+
+    def _start_timeout_message(self, worker: _Worker) -> str:
+        if os.path.exists(os.path.join(worker.workdir, tool_worker.PRELOAD_MARKER)):
+            name = getattr(self.environment, "__qualname__", "the environment")
+            return (f"a tool worker did not start within {self.start_timeout_s:g} s: "
+                    f"{name}.preload() (tools.environment) had not returned")
+        return f"a tool worker did not start within {self.start_timeout_s:g} s"
 
     def _note_isolation(self, isolation: str) -> None:
         self.isolation = isolation

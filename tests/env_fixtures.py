@@ -5,6 +5,8 @@ import os
 import signal
 import time
 
+from sandbox_fixtures import find_scratch, parse_date, write_scratch
+
 
 class Counter:
     """Counts its own calls; `config` may start it elsewhere than 0."""
@@ -88,3 +90,27 @@ class FailingPreload(Counter):
     @classmethod
     def preload(cls):
         raise FileNotFoundError("no such file: scenarios.json")
+
+
+class HangingPreload(Counter):
+    @classmethod
+    def preload(cls):
+        while True:
+            time.sleep(1)
+
+
+class Scratch(Counter):
+    """Writes to and looks at the shared scratch directories across an episode's calls."""
+
+    def call(self, name, arguments):
+        if name == "write":
+            return write_scratch(arguments["token"])
+        if name == "find":
+            return find_scratch(arguments["token"])
+        if name == "date":
+            return parse_date(arguments["text"])
+        return super().call(name, arguments)
+
+
+SCRATCH_TOOLS = [schema("write", token={"type": "string"}), schema("find", token={"type": "string"}),
+                 schema("date", text={"type": "string"})]

@@ -76,6 +76,41 @@ def depth(value):
     return levels
 
 
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def write_scratch(token):
+    """A file named `token` in each shared scratch directory; what this call can see of them."""
+    for directory in SCRATCH_DIRS:
+        with open(os.path.join(directory, token), "w") as handle:
+            handle.write("left behind")
+    return find_scratch(token)
+
+
+def find_scratch(token):
+    return [d for d in SCRATCH_DIRS if os.path.exists(os.path.join(d, token))]
+
+
+def fill_shm(token, mb):
+    """Write `mb` MiB to /dev/shm/<token> (shared memory is memory)."""
+    with open(os.path.join("/dev/shm", token), "wb") as handle:
+        for _ in range(mb):
+            handle.write(b"\0" * 2**20)
+    return mb
+
+
+def parse_date(text):
+    """datetime.strptime imports the standard library's _strptime on first use."""
+    import datetime
+    return datetime.datetime.strptime(text, "%Y-%m-%d").isoformat()
+
+
+def lazy_import(module):
+    """Import a standard-library module only now, at call time (as the sandbox user)."""
+    import importlib
+    return importlib.import_module(module).__name__
+
+
 def _schema(name, properties=None):
     properties = properties or {}
     return {"type": "function", "function": {
@@ -90,4 +125,9 @@ SANDBOX_TOOLS = [
     (_schema("spawn", {"token": {"type": "string"}, "wait": {"type": "boolean"}}), spawn),
     (_schema("signal_trainer", {"marker": {"type": "string"}}), signal_trainer),
     (_schema("depth", {"value": {}}), depth),
+    (_schema("write_scratch", {"token": {"type": "string"}}), write_scratch),
+    (_schema("find_scratch", {"token": {"type": "string"}}), find_scratch),
+    (_schema("fill_shm", {"token": {"type": "string"}, "mb": {"type": "integer"}}), fill_shm),
+    (_schema("parse_date", {"text": {"type": "string"}}), parse_date),
+    (_schema("lazy_import", {"module": {"type": "string"}}), lazy_import),
 ]

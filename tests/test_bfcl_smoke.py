@@ -38,6 +38,7 @@ def test_bfcl_smoke_recipe_runs_episodes_end_to_end(tmp_path):
     after = report.get("after", report)
     text = json.dumps(after)
     assert "per_group" in text and "base" in text  # scored per BFCL category
+    assert 0.0 <= after["bfcl_accuracy"] <= 1.0  # BFCL's own figure beside success_rate
     # the episodes really ran in the sandbox (as the unprivileged user when root): an episode
     # whose environment cannot start has no turn
     assert after["mean_turns"] >= 1 and after["mean_generated_tokens"] > 0, after

@@ -8,15 +8,19 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 from env_fixtures import (
     COUNTER_TOOLS,
+    SCRATCH_TOOLS,
     BrokenConstructor,
     Counter,
     FailingPreload,
     HangingConstructor,
+    HangingPreload,
     Preloaded,
+    Scratch,
     schema,
 )
 from sandbox_fixtures import SANDBOX_TOOLS
@@ -222,3 +226,35 @@ def test_checkers_may_take_the_final_state():
     assert call_checker(lambda text, record: text == "a", "a", {}, episode)
     assert call_checker(lambda text, record, ep: ep.state == {"n": 1}, "", {}, episode)
     assert call_checker(lambda *args: len(args) == 3, "", {}, episode)
+
+
+def test_a_hanging_preload_is_reported_naming_the_environment():
+    with ToolExecutor(ToolRegistry([]), environment=HangingPreload, start_timeout_s=10.0) as pool, \
+            pytest.raises(RuntimeError, match=r"HangingPreload.preload\(\) \(tools.environment\) "
+                                               r"had not returned"):
+        pool.open_episodes([{}], [COUNTER_TOOLS])
+
+
+def test_an_episodes_scratch_files_die_with_it():
+    """/tmp, /var/tmp and /dev/shm are the episode's own: kept across its calls, gone for the
+    next episode on the same worker, never on the host; strptime works as the sandbox user."""
+    token = f"opd-episode-scratch-{uuid.uuid4().hex}"
+    with ToolExecutor(ToolRegistry([]), environment=Scratch, num_workers=1) as pool:
+        first = pool.open_episodes([{}], [SCRATCH_TOOLS])[0]
+        replies = pool.run_episode_calls({first: [ToolCall("write", {"token": token}),
+                                                  ToolCall("find", {"token": token}),
+                                                  ToolCall("date", {"text": "2024-03-01"})]})
+        written, found, date = contents(replies[first])
+        assert date == "2024-03-01T00:00:00"
+        if not pool.isolation.startswith("pid-namespace"):
+            pytest.skip(f"no mount namespace here ({pool.isolation})")
+        assert written == found == ["/tmp", "/var/tmp", "/dev/shm"]
+        worker = first.worker_pid
+        pool.close_episode(first)
+        second = pool.open_episodes([{}], [SCRATCH_TOOLS])[0]
+        assert second.worker_pid == worker  # the same worker serves the next episode
+        (found,) = contents(pool.run_episode_calls({second: [ToolCall("find",
+                                                                      {"token": token})]})[second])
+        assert found == []
+        pool.close_episode(second)
+    assert not any(os.path.exists(os.path.join(d, token)) for d in ("/tmp", "/var/tmp", "/dev/shm"))

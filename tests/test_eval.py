@@ -3,6 +3,7 @@ metrics aggregate as documented; the CLI writes eval.json and names user errors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -98,6 +99,27 @@ def test_summarize_aggregates_like_a_naive_reference():
     assert metrics["per_group"]["b"]["success_rate"] == 0.0
     assert metrics["per_group"]["a"]["num_tasks"] == 1
     assert [s["question"] for s in metrics["samples"]] == ["q1", "q2", "q3"]
+
+
+def test_a_checkers_accuracy_is_reported_under_its_name_beside_success():
+    """bfcl_accuracy is the checker's verdict alone (a refused call or a truncation does not
+    fail an accepted task), averaged over the groups unweighted, as BFCL averages categories."""
+    def outcome(group, correct, calls_ok=True, truncated=False):
+        return {"group": group, "correct": correct, "calls_ok": calls_ok, "truncated": truncated,
+                "success": correct and calls_ok and not truncated, "valid_calls": 1,
+                "all_calls": 1, "turns": 1, "tokens": 1, "generated_tokens": 1, "question": "q",
+                "final_text": "", "truncation_reason": None}
+
+    outcomes = [outcome("a", True, calls_ok=False), outcome("a", True, truncated=True),
+                outcome("a", False), outcome("b", True)]
+    metrics = summarize(outcomes, "bfcl_accuracy")
+    assert metrics["success_rate"] == 0.25
+    assert metrics["bfcl_accuracy"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["per_group"]["a"]["bfcl_accuracy"] == pytest.approx(2 / 3)
+    assert "bfcl_accuracy" not in summarize(outcomes)
+    if importlib.util.find_spec("bfcl_eval") is not None:
+        from worlds.bfcl.checker import check
+        assert check.accuracy_name == "bfcl_accuracy"  # what opd.eval passes to summarize
 
 
 @pytest.fixture(scope="module")

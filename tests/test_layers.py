@@ -17,10 +17,11 @@ OPD = Path(__file__).resolve().parents[1] / "opd"
 LAYERS: list[list[str]] = [
     # no first-party imports, or only opd.errors; the engine registries (name -> "module:Class"
     # strings) that config validation reads
-    ["opd.errors", "opd.cache", "opd.checker", "opd.tool_worker", "opd.packing",
+    ["opd.errors", "opd.cache", "opd.checker", "opd.sandbox_fs", "opd.packing",
      "opd.loss_parallel", "opd.divergences", "opd.rewards", "opd.sampling", "opd.teachers",
      "opd.trajectory"],
-    ["opd.config", "opd.dist", "opd.tool_calls", "opd.environments", "opd.loss"],
+    ["opd.config", "opd.dist", "opd.tool_calls", "opd.environments", "opd.loss",
+     "opd.tool_worker"],
     ["opd.tool_schemas", "opd.metrics", "opd.steps", "opd.submit", "opd.preemption",
      "opd.preflight", "opd.checkpoint", "opd.loss_sampled"],
     # the sandboxed tool executor and the recipe's plugins

@@ -209,3 +209,56 @@ def test_calls_over_the_per_turn_cap_are_not_run():
     for row in rows:
         counts.add(row)
     assert (counts.valid, counts.invalid, counts.failed) == (2, 4, 2)
+
+
+def test_scratch_directories_are_private_to_a_call(executor):
+    """/tmp, /var/tmp and /dev/shm: what a call writes there is gone for the next call (of any
+    episode) and never reaches the host's."""
+    token = f"opd-scratch-{uuid.uuid4().hex}"
+    written = _run_one(executor, "write_scratch", token=token)
+    assert written.status == "ok", written.content
+    if not (executor.isolation or "").startswith("pid-namespace"):
+        pytest.skip(f"no mount namespace here ({executor.isolation}): scratch directories are "
+                    "the host's (README: What a run survives)")
+    assert json.loads(written.content) == ["/tmp", "/var/tmp", "/dev/shm"]
+    for _ in range(2):  # both pool workers
+        assert json.loads(_run_one(executor, "find_scratch", token=token).content) == []
+    assert not any(os.path.exists(os.path.join(d, token)) for d in sandbox_fixtures.SCRATCH_DIRS)
+
+
+def test_shared_memory_counts_against_the_memory_limit():
+    token = f"opd-shm-{uuid.uuid4().hex}"
+    with ToolExecutor(_registry(), timeout_s=30.0, num_workers=1, memory_limit_mb=64) as pool:
+        result = _run_one(pool, "fill_shm", token=token, mb=256)
+        assert result.status == "failed", result.content
+        assert "No space left" in result.content or "File too large" in result.content
+        assert json.loads(_run_one(pool, "find_scratch", token=token).content) == []
+    assert not os.path.exists(os.path.join("/dev/shm", token))
+
+
+def test_lazily_imported_standard_library_works_after_the_privilege_drop(executor):
+    """datetime.strptime imports _strptime on first use; a call run as `nobody` may not read
+    the interpreter's files (a Python under a 0700 home): the worker imports it beforehand."""
+    result = _run_one(executor, "parse_date", text="2024-03-01")
+    assert (result.status, result.content) == ("ok", '"2024-03-01T00:00:00"')
+    if "uid:" in (executor.isolation or "") and "imports" not in executor.isolation:
+        pytest.skip(f"no mount namespace here ({executor.isolation}): only the standard "
+                    "library's own lazy imports are preloaded")
+    # any module on the import path, not only those the standard library imports lazily
+    result = _run_one(executor, "lazy_import", module="statistics")
+    assert (result.status, result.content) == ("ok", '"statistics"')
+
+
+def test_an_import_path_under_tmp_stays_importable_at_call_time(tmp_path, monkeypatch):
+    """A project cloned under /tmp (or pytest's 0700 tmp_path) is on the worker's sys.path: the
+    private /tmp keeps it reachable for the call's user, and remaking /tmp never touches it."""
+    package = tmp_path / "late_imports"
+    package.mkdir()
+    (package / "late_module_for_sandbox.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(package))
+    with ToolExecutor(_registry(), timeout_s=30.0, num_workers=1) as pool:
+        for _ in range(2):  # the second call runs in a remade /tmp
+            result = _run_one(pool, "lazy_import", module="late_module_for_sandbox")
+            assert (result.status, result.content) == ("ok", '"late_module_for_sandbox"')
+            assert _run_one(pool, "write_scratch", token="x").status == "ok"
+    assert (package / "late_module_for_sandbox.py").read_text() == "VALUE = 42\n"

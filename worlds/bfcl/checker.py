@@ -18,7 +18,8 @@ So the checker needs the calls the student made, per user turn, as it emitted th
 (a turn may also be a flat list of calls: one step). Calls are turned into BFCL's call strings
 by `worlds.bfcl.convert.call_string` (identifier names, JSON literal values: the only strings
 BFCL's checker will `eval`); calls the environment would refuse (not a function of the task,
-arguments not matching the schema) are left out, exactly as the environment never ran them.
+a required argument missing or an unknown one) are left out, exactly as the environment never
+ran them.
 
 Plugin form (eval.checker): `check(final_text, record, state=None, calls_by_turn=None)`. The
 calls come from `calls_by_turn`, else from `state["calls_by_turn"]`, else from `state["calls"]`
@@ -57,7 +58,8 @@ def decoded_turns(record: dict, calls_by_turn: Sequence) -> tuple[list[list[list
             strings = []
             for call in step:
                 name, arguments = call.get("name"), call.get("arguments")
-                if not isinstance(name, str) or registry.validate(ToolCall(name, arguments)):
+                if not isinstance(name, str) or registry.validate(
+                        ToolCall(name, arguments), check_types=False):  # as the environment
                     dropped += 1
                     continue
                 strings.append(call_string(name, arguments))
@@ -125,6 +127,11 @@ def check(final_text: str, record: dict, episode=None,
             f"{record.get('id')}: the BFCL checker needs the student's calls per user turn "
             "(calls_by_turn, or an environment state with calls_by_turn or turn-tagged calls)")
     return score(record, calls_by_turn)["valid"]
+
+
+# opd.eval reports the checker's verdicts under this name, averaged over the categories as BFCL
+# does, beside its stricter success_rate.
+check.accuracy_name = "bfcl_accuracy"  # type: ignore[attr-defined]
 
 
 def calls_from_messages(messages: Sequence[dict], parser=None) -> list[list[list[dict]]]:

@@ -6,8 +6,14 @@ the installed bfcl-eval scores. One record per BFCL entry:
 
     id              BFCL's id (multi_turn_base_17): its checker derives the category from it
     family          the category (base, miss_func, miss_param, long_context): opd.eval groups by it
-    messages        one user message per BFCL turn; miss_func's empty "holdout" turn gets BFCL's
-                    own prompt ("I have updated some more functions you can choose from...")
+    messages        one user message per BFCL turn; miss_func's empty "holdout" turn gets the
+                    message bfcl-eval's prompting path for local models sends there
+                    (base_handler.inference_multi_turn_prompting):
+                    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING with the held-out
+                    functions' BFCL docs (their Python repr, as its str.format writes the list),
+                    then "I have updated some more functions you can choose from..."; a chat
+                    template lists tools only in its opening system block, so this message is
+                    the only place the model reads the new functions
     tools           OpenAI function schemas of the involved classes, in BFCL's order, without
                     miss_func's held-out functions
     tools_by_turn   miss_func only: per user turn, the schemas BFCL adds at that turn
@@ -247,9 +253,19 @@ def load_entries(category: str) -> list[tuple[dict, dict]]:
     return [(entry, answers[entry["id"]]) for entry in entries]
 
 
+def held_docs(involved_classes: list[str], names: list[str]) -> list[dict]:
+    """The BFCL docs of miss_func's held-out `names`, as bfcl-eval's
+    populate_test_cases_with_predefined_functions collects them: per name, the first doc of
+    that name in the involved classes' docs, in the order of `names`."""
+    docs = [doc for class_name in involved_classes for doc in function_docs(class_name)]
+    return [next(doc for doc in docs if doc["name"] == name) for name in names]
+
+
 def convert_entry(entry: dict, answer: dict, category: str) -> dict:
     """One BFCL entry (and its ground truth) as a project record."""
-    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+    from bfcl_eval.constants.default_prompts import (
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
+    )
 
     classes = list(entry["involved_classes"])
     owners = task_functions(classes)
@@ -263,7 +279,8 @@ def convert_entry(entry: dict, answer: dict, category: str) -> dict:
             if turn_messages:
                 raise ValueError(f"{entry['id']}: holdout turn {turn} has user messages")
             turn_messages = [{"role": "user",
-                              "content": DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC}]
+                              "content": DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING
+                              .format(functions=held_docs(classes, held[turn]))}]
         if [m["role"] for m in turn_messages] != ["user"]:
             raise ValueError(f"{entry['id']}: turn {turn} is not one user message")
         messages.extend({"role": m["role"], "content": m["content"]} for m in turn_messages)

@@ -8,10 +8,15 @@ for every class but the stateless ones. It lives in the episode's sandboxed work
 
 `call(name, arguments)` runs one method on its owning instance with the parsed JSON arguments,
 through getattr: nothing is ever evaluated. A name that is not one of the task's documented
-functions, or arguments that do not match the function's schema (types, required, unknown
-keys), raise ValueError, which the worker turns into that call's {"error": ...} observation.
-What the method returns comes back as BFCL's executor shows it to a model: a string as is, a
-dict as the dict (the executor JSON-encodes it), anything else as str(result).
+functions, a missing required argument or an unknown one raise ValueError, which the worker
+turns into that call's {"error": ...} observation. Argument *types* are not checked
+(CHECK_ARGUMENT_TYPES): bfcl-eval's executor passes whatever the call says to the Python method
+(its ground truth calls `close_ticket(ticket_id='ticket_001')` where the doc says integer), so
+refusing such a call would change the episode. The observation is bfcl-eval's, byte for byte
+(TEXT_OBSERVATIONS: the worker shows the returned text as it is, not JSON-quoted): a string as
+is, a dict as `json.dumps(dict)` (str() when that fails), anything else as str(result), and an
+exception raised by the method as "Error during execution: <message>", as an "ok" call, the
+way bfcl-eval's executor (and so its checker, which re-runs the call) sees it.
 
 `state()` is what BFCL's state checker compares: per class, the instance's public attributes
 (`vars`, names not starting with "_"), made JSON-able (objects as their public attributes
@@ -46,6 +51,9 @@ def _not_called(**_arguments):  # the registry validates only; calls go to the b
 class BFCLEnvironment:
     """One episode of a BFCL multi-turn task (see the module docstring)."""
 
+    TEXT_OBSERVATIONS = True  # call() returns the observation text itself
+    CHECK_ARGUMENT_TYPES = False  # the executor checks names only, as bfcl-eval does
+
     def __init__(self, config: dict):
         if not isinstance(config, dict) or not isinstance(config.get("involved_classes"), list):
             raise ValueError('a BFCL environment needs {"involved_classes": [...], '
@@ -79,13 +87,17 @@ class BFCLEnvironment:
             self.calls.append({"name": str(name), "arguments": arguments, "ok": False})
             raise ValueError(f"unknown function {name!r}; this task's functions: "
                              f"{', '.join(self.owners)}")
-        error = self.registry.validate(ToolCall(name, arguments))
+        error = self.registry.validate(ToolCall(name, arguments), self.CHECK_ARGUMENT_TYPES)
         if error is not None:
             self.calls.append({"name": name, "arguments": arguments, "ok": False})
             raise ValueError(error)
         method = getattr(self.instances[self.owners[name]], name)
         self.calls.append({"name": name, "arguments": copy.deepcopy(arguments), "ok": True})
-        return shown_result(method(**arguments))
+        try:
+            result = method(**arguments)
+        except Exception as exc:  # bfcl-eval's executor catches exactly these
+            return f"Error during execution: {exc}"
+        return shown_result(result)
 
     def state(self) -> dict:
         state: dict[str, Any] = {name: instance_state(instance)
@@ -97,15 +109,15 @@ class BFCLEnvironment:
         self.instances.clear()
 
 
-def shown_result(result: Any) -> Any:
-    """The result as BFCL's executor shows it: str as is, a JSON-able dict, else str()."""
-    if isinstance(result, str):
+def shown_result(result: Any) -> str:
+    """The result's text as bfcl-eval's executor makes it (execute_multi_turn_func_call): a str
+    as is, a dict as json.dumps (ASCII escapes, default separators), else str()."""
+    if type(result) is str:
         return result
-    if isinstance(result, dict):
+    if type(result) is dict:
         try:
-            json.dumps(result)
-            return result
-        except (TypeError, ValueError):
+            return json.dumps(result)
+        except Exception:  # bfcl-eval's bare except, less KeyboardInterrupt and SystemExit
             return str(result)
     return str(result)
 
