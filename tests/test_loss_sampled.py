@@ -186,3 +186,27 @@ def test_importance_weights_correct_a_mismatched_sampler():
     assert ((mean - expected) / error).abs().max() < Z_LIMIT
     biased, biased_error = _monte_carlo("k1", 1.0, sampler_shift=shift, importance_cap=0.0)
     assert ((biased - expected) / biased_error).abs().max() > 2 * Z_LIMIT
+
+
+def test_bf16_inputs_are_computed_in_fp32():
+    hidden, weight, _, labels, mask, teacher, sampler, _ = _case(8)
+    expected = reference_loss.sampled_kl_surrogate(hidden @ weight.t(), labels, mask, teacher,
+                                                   sampler, importance_cap=2.0)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    low = [tensor.detach().bfloat16().requires_grad_() for tensor in (hidden, weight)]
+    loss, _ = fused_sampled_kl_loss(*low, labels, mask, teacher.float(),
+                                    sampler_logprobs=sampler.float(), importance_cap=2.0)
+    grads = torch.autograd.grad(loss, low)
+    assert loss.dtype == torch.float32 and grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=2e-2)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=5e-2, atol=5e-2)
+
+
+def test_labels_outside_the_vocabulary_are_refused():
+    hidden, weight, _, labels, mask, teacher, *_ = _case(9)
+    labels = labels.clone()
+    labels[mask.nonzero()[0]] = VOCAB
+    with pytest.raises(ValueError, match=f"Labels at target positions must be token ids in "
+                                         f"\\[0, {VOCAB}\\), got ids from"):
+        fused_sampled_kl_loss(hidden, weight, labels, mask, teacher)
