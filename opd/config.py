@@ -613,6 +613,11 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
     signal_problem = teacher_signal_problem(config)
     if signal_problem is not None:
         raise fail("teacher.signal", signal_problem)
+    if config.loss.reward_weight > 0 and config.rollout.samples_per_prompt == 1 \
+            and config.loss.advantage_norm != "none":
+        raise fail("rollout.samples_per_prompt", "loss.reward_weight > 0 with loss.advantage_norm="
+                   f"{config.loss.advantage_norm} needs rollout.samples_per_prompt of at least 2: "
+                   "a group of one has no baseline, so every advantage would be 0.")
     if config.loss.reward_weight > 0 and not config.eval.checker:
         raise fail("eval.checker", "loss.reward_weight > 0 needs eval.checker: the world's "
                    "checker scores each episode into its reward.")

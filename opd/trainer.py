@@ -299,6 +299,8 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     kl = loss / config.loss.temperature ** 2 \
         if divergences.get(config.loss.direction).kl_reported else None
     estimator = sampled_statistics(stats) if sampled else {}
+    if sampled and run.teacher is not None:  # the k1 estimate of KL(student || teacher)
+        kl = estimator["kl_k1"]
     return {**estimator, "loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),
             "teacher_tokens": int(global_teacher_tokens),
             "micro_batches": len(batches), "lr": lr, "grad_norm": grad_norm,
