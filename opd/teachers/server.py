@@ -1,0 +1,239 @@
+"""A teacher server: one vLLM engine that scores finished conversations over HTTP.
+
+    python -m opd.teachers.server --model DIR --port 8800 [--max-top-k 64] [--host 0.0.0.0]
+
+Started next to the trainer (launch/teacher_server.sh) or on its own GPUs or nodes; the trainer
+reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served). It answers
+
+    GET  /health   a small JSON object: the vocabulary size, a hash of the tokenizer's
+                   vocabulary, the longest conversation and the largest top-k it scores
+                   (opd.teachers.wire.Health); it listens only once the engine is ready
+    POST /score    a binary request of one or more conversations (token ids and target
+                   positions) -> a binary answer: each target token's log-prob and, for topk,
+                   the top-k ids and log-probs and the log of the rest's mass
+                   (opd.teachers.wire)
+
+vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=k)`: the log-prob of
+every prompt token and the top k at each position. Its prompt log-probs are the model's raw
+log-softmax (vLLM applies no sampling processor to prompt tokens, whatever `logprobs_mode`), so
+a served teacher answers at temperature 1 only, and the trainer refuses another
+`loss.temperature`. Requests that arrive together are scored in one `generate` call (one
+engine thread; HTTP threads only parse and wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import queue
+import sys
+import threading
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+
+from opd.teachers.wire import (
+    Health,
+    ScoreAnswer,
+    ScoreRequest,
+    WireError,
+    decode_request,
+    encode_answer,
+    vocabulary_hash,
+)
+
+
+class RequestError(ValueError):
+    """A request this server cannot score (answered 400 with the sentence)."""
+
+
+class ScoringEngine:
+    """The vLLM engine and what `/health` reports about it."""
+
+    def __init__(self, model: str, tokenizer: str, *, max_model_len: int, max_top_k: int,
+                 dtype: str, tensor_parallel_size: int, gpu_memory_utilization: float):
+        # One process: a killed server leaves no engine core behind.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoConfig, AutoTokenizer
+        from vllm import LLM
+
+        vocab_size = int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
+        self.health = Health(vocab_size=vocab_size,
+                             tokenizer_sha256=vocabulary_hash(AutoTokenizer.from_pretrained(
+                                 tokenizer, local_files_only=True)),
+                             max_model_len=max_model_len, max_top_k=max_top_k, model=model)
+        # The prefix cache is skipped for prompt log-probs anyway (vLLM's docs).
+        self.llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, seed=0,
+                       max_model_len=max_model_len, max_logprobs=max_top_k,
+                       enable_prefix_caching=False, enforce_eager=True,
+                       tensor_parallel_size=tensor_parallel_size,
+                       gpu_memory_utilization=gpu_memory_utilization)
+
+    def check(self, request: ScoreRequest) -> None:
+        """Refuse, in one sentence, what the engine would fail on."""
+        if request.kind == "topk" and not 1 <= request.top_k <= self.health.max_top_k:
+            raise RequestError(f"top_k={request.top_k} is outside 1..{self.health.max_top_k} "
+                               "(the server's --max-top-k)")
+        for ids in request.token_ids:
+            # max_tokens=1: vLLM needs room for the one token it generates.
+            if len(ids) + 1 > self.health.max_model_len:
+                raise RequestError(f"a conversation of {len(ids)} tokens does not fit the "
+                                   f"server's --max-model-len={self.health.max_model_len} "
+                                   "(it needs one more)")
+            if len(ids) and (ids.min() < 0 or ids.max() >= self.health.vocab_size):
+                raise RequestError("a token id is outside the served vocabulary of "
+                                   f"{self.health.vocab_size}")
+
+    def score(self, requests: list[ScoreRequest]) -> list[ScoreAnswer]:
+        """Every request's answer, from one `generate` call over all their conversations."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for request in requests:
+            # 0: the prompt token's own log-prob only.
+            param = SamplingParams(max_tokens=1, detokenize=False, prompt_logprobs=(
+                request.top_k if request.kind == "topk" else 0))
+            for ids in request.token_ids:
+                prompts.append(TokensPrompt(prompt_token_ids=ids.tolist()))
+                params.append(param)
+        outputs = iter(self.llm.generate(prompts, params, use_tqdm=False))
+        return [self._answer(request, [next(outputs).prompt_logprobs
+                                       for _ in request.token_ids]) for request in requests]
+
+    def _answer(self, request: ScoreRequest, prompt_logprobs: list) -> ScoreAnswer:
+        k = request.top_k if request.kind == "topk" else 0
+        sampled, ids, logprobs, rest = [], [], [], []
+        for tokens, positions, per_position in zip(request.token_ids, request.positions,
+                                                   prompt_logprobs):
+            for position in positions.tolist():
+                # vLLM's entry j is the distribution of token j given the tokens before it.
+                entry = per_position[position + 1]
+                sampled.append(entry[int(tokens[position + 1])].logprob)
+                if not k:
+                    continue
+                # The top k, plus the prompt token when it is not among them.
+                top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+                ids.append([token for token, _ in top])
+                logprobs.append([value.logprob for _, value in top])
+                rest.append(_rest_logprob(logprobs[-1], k >= self.health.vocab_size))
+        answer = ScoreAnswer(request.kind, request.top_k, np.array(sampled, dtype=np.float32))
+        if k:
+            answer.topk_ids_TK = np.array(ids, dtype=np.int32).reshape(-1, k)
+            answer.topk_logprobs_TK = np.array(logprobs, dtype=np.float32).reshape(-1, k)
+            answer.topk_rest_T = np.array(rest, dtype=np.float32)
+        return answer
+
+
+def _rest_logprob(top_logprobs: list[float], whole_vocabulary: bool) -> float:
+    """log(1 - the top k's mass), in float64; -inf when nothing is outside them (rounding can
+    push the sum of a whole vocabulary past 1)."""
+    mass = math.fsum(math.exp(value) for value in top_logprobs)
+    return -math.inf if whole_vocabulary or mass >= 1.0 else math.log1p(-mass)
+
+
+class Batcher:
+    """One engine thread: each round scores every request waiting, in one call."""
+
+    def __init__(self, engine: ScoringEngine):
+        self.engine = engine
+        self.waiting: queue.Queue[tuple[ScoreRequest, Future]] = queue.Queue()
+        threading.Thread(target=self._run, name="engine", daemon=True).start()
+
+    def submit(self, request: ScoreRequest) -> Future:
+        future: Future = Future()
+        self.waiting.put((request, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.waiting.get()]
+            while not self.waiting.empty():
+                batch.append(self.waiting.get_nowait())
+            try:
+                answers = self.engine.score([request for request, _ in batch])
+            except Exception as error:  # the engine failed: every waiting request hears it
+                for _, future in batch:
+                    future.set_exception(error)
+                continue
+            for (_, future), answer in zip(batch, answers):
+                future.set_result(answer)
+
+
+def handler(engine: ScoringEngine, batcher: Batcher) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/health":
+                return self._reply(404, b"no such path; GET /health or POST /score", "text/plain")
+            self._reply(200, engine.health.to_json(), "application/json")
+
+        def do_POST(self):
+            if self.path != "/score":
+                return self._reply(404, b"no such path; GET /health or POST /score", "text/plain")
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                request = decode_request(body)
+                engine.check(request)
+            except (WireError, RequestError) as error:
+                return self._reply(400, f"{error}.".encode(), "text/plain")
+            try:
+                answer = batcher.submit(request).result()
+            except Exception as error:
+                return self._reply(500, f"the engine failed: {error!r}".encode(), "text/plain")
+            self._reply(200, encode_answer(answer), "application/octet-stream")
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):
+            pass  # one line per request would flood the log
+
+    return Handler
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--tokenizer", default="",
+                        help="directory of the tokenizer the trainer uses (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 for trainers on other nodes)")
+    parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="the longest conversation scored, plus one")
+    parser.add_argument("--max-top-k", type=int, default=64,
+                        help="the largest teacher.top_k answered (the vocabulary size serves "
+                             "the whole distribution)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="the share of device memory vLLM takes (of host RAM on CPU)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tokenizer = args.tokenizer or args.model
+    if not any((Path(tokenizer) / name).is_file()
+               for name in ("tokenizer.json", "tokenizer_config.json")):
+        sys.exit(f"--tokenizer: {tokenizer} holds no tokenizer; the trainer checks the served "
+                 "vocabulary against its own, so pass the tokenizer directory it uses.")
+    engine = ScoringEngine(args.model, tokenizer, max_model_len=args.max_model_len,
+                           max_top_k=args.max_top_k, dtype=args.dtype,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+    server = ThreadingHTTPServer((args.host, args.port), handler(engine, Batcher(engine)))
+    server.daemon_threads = True
+    print(f"teacher server: {args.model} on http://{args.host}:{server.server_port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
