@@ -236,7 +236,7 @@ class StudentConfig:
 @dataclass
 class TeacherConfig:
     # A teacher registered in opd.teachers (in-process: zero_inference, tensor_parallel,
-    # replicated).
+    # replicated; served: a teacher server, see teacher.urls).
     engine: str = rule(lambda v: v in TEACHERS, f"one of {', '.join(TEACHERS)}",
                        "zero_inference")
     # What the teacher returns (opd.teachers.base): auto is what loss.direction needs;
@@ -253,6 +253,13 @@ class TeacherConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # tensor_parallel: ranks per teacher copy; 0: the ranks of one node (each node its own copy)
     tp_size: int = at_least(0, 0)
+    # served: the teacher servers (python -m opd.teachers.server), one URL per replica, e.g.
+    # [http://127.0.0.1:8800]; each rank sends its conversations round-robin over them.
+    urls: list[str] = field(default_factory=list)
+    timeout_s: float = positive(120.0)  # served: one scoring request, before it is retried
+    retries: int = at_least(0, 3)  # served: further tries of a request (the next replica each)
+    startup_timeout_s: float = positive(900.0)  # served: how long to wait for /health
+    in_flight: int = at_least(1, 4)  # served: requests in flight per replica and rank
 
 
 @dataclass

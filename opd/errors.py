@@ -37,3 +37,8 @@ class MissingFileError(OPDError, FileNotFoundError):
 
 class NonFiniteError(OPDError):
     """Training stopped: steps had a non-finite loss or gradient norm (train.nonfinite)."""
+
+
+class TeacherServerError(OPDError):
+    """A served teacher that is down, hangs, answers too slowly or answers wrongly; the message
+    names its URL (teacher.urls)."""

@@ -11,4 +11,5 @@ TEACHERS = {
     "zero_inference": "opd.teachers.in_process:ZeroInferenceTeacher",
     "tensor_parallel": "opd.teachers.in_process:TensorParallelTeacher",
     "replicated": "opd.teachers.in_process:ReplicatedTeacher",
+    "served": "opd.teachers.served:ServedTeacher",
 }

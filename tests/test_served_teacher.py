@@ -1,0 +1,225 @@
+"""The served teacher (teacher.engine=served): a real vLLM teacher server on 127.0.0.1 scores
+conversations as the in-process teacher does, refuses another vocabulary, and a teacher that
+hangs or dies ends the step in one sentence instead of hanging it.
+
+The tests marked `vllm` need the vllm extra in its own venv, as tests/test_vllm.py does:
+`bash .ci/vllm.sh`, then `.venv-vllm/bin/python -m pytest -m vllm tests/test_served_teacher.py`.
+The wire format and the refusals before any engine run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_model, build_tokenizer, free_port
+from test_teachers import ONE_CPU_RANK, teacher_for, trajectories
+
+from opd.config import Config, LossConfig, ModelConfig, RolloutConfig, TeacherConfig
+from opd.errors import ConfigError, TeacherServerError, VocabularyError
+from opd.teachers.base import SignalRequest
+from opd.teachers.served import ServedTeacher, wait_for_health
+from opd.teachers.wire import (
+    ScoreAnswer,
+    ScoreRequest,
+    WireError,
+    decode_answer,
+    decode_request,
+    encode_answer,
+    encode_request,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+vllm_installed = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (bash .ci/vllm.sh; .venv-vllm/bin/python -m pytest -m vllm)")
+
+
+def served_config(url: str, student: Path, teacher: Path, **teacher_keys) -> Config:
+    return Config(model=ModelConfig(student=str(student), teacher=str(teacher)),
+                  rollout=RolloutConfig(max_total_len=256),
+                  teacher=TeacherConfig(engine="served", urls=[url], **teacher_keys))
+
+
+def test_requests_and_answers_survive_the_wire_exactly():
+    rng = np.random.default_rng(0)
+    request = ScoreRequest("topk", 3, [np.arange(9, dtype=np.int32), np.arange(4, dtype=np.int32)],
+                           [np.array([0, 4, 7], dtype=np.int32), np.array([2], dtype=np.int32)])
+    back = decode_request(encode_request(request))
+    assert (back.kind, back.top_k) == ("topk", 3)
+    for a, b in zip(back.token_ids + back.positions, request.token_ids + request.positions):
+        np.testing.assert_array_equal(a, b)
+    answer = ScoreAnswer("topk", 3, rng.standard_normal(4).astype(np.float32),
+                         rng.integers(0, 99, (4, 3)).astype(np.int32),
+                         rng.standard_normal((4, 3)).astype(np.float32),
+                         np.array([-1.0, -np.inf, -2.0, -3.0], dtype=np.float32))
+    body = encode_answer(answer)
+    assert len(body) == 16 + 4 * (8 * 3 + 8)  # header, then 8k + 8 bytes per target token
+    back_answer = decode_answer(body)
+    for name in ("logprobs_T", "topk_ids_TK", "topk_logprobs_TK", "topk_rest_T"):
+        np.testing.assert_array_equal(getattr(back_answer, name), getattr(answer, name))
+    with pytest.raises(WireError, match="ends before its arrays"):
+        decode_answer(body[:-4])  # a partial payload is never read as a shorter one
+    with pytest.raises(WireError, match="target position outside"):
+        decode_request(encode_request(replace(request, positions=[np.array([8], np.int32),
+                                                                  np.array([], np.int32)])))
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"urls": []}, "teacher.urls must list the teacher servers"),
+    ({"urls": ["127.0.0.1:8800"]}, "is not an http:// URL"),
+    ({"signal": "auto"}, "not the full distribution that loss.direction=forward_kl reads"),
+])
+def test_what_a_served_teacher_cannot_run_is_refused_before_any_engine(keys, message):
+    config = Config(teacher=TeacherConfig(engine="served", urls=["http://127.0.0.1:1"],
+                                          signal="topk"), loss=LossConfig(direction="forward_kl"))
+    config = replace(config, teacher=replace(config.teacher, **keys))
+    with pytest.raises(ConfigError, match=message):
+        ServedTeacher.check(config, ONE_CPU_RANK)
+
+
+def test_a_temperature_other_than_one_is_refused():
+    config = Config(teacher=TeacherConfig(engine="served", urls=["http://127.0.0.1:1"]),
+                    loss=LossConfig(direction="sampled_reverse_kl", temperature=1.5))
+    with pytest.raises(ConfigError, match=r"loss.temperature=1.5 .* raw distribution"):
+        ServedTeacher.check(config, ONE_CPU_RANK)
+
+
+def test_a_server_that_never_comes_up_is_reported_in_one_sentence():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TeacherServerError, match=rf"teacher.urls: {url} did not answer GET "
+                                                 r"/health .* \(connection refused\)") as error:
+        wait_for_health(url, timeout_s=0.5)
+    assert "\n" not in str(error.value)
+
+
+# -- the real engine -----------------------------------------------------------------------------
+
+def start_server(model: Path, port: int, max_top_k: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "opd.teachers.server", "--model", str(model), "--port", str(port),
+         "--max-top-k", str(max_top_k), "--max-model-len", "512", "--dtype", "float32",
+         "--gpu-memory-utilization", "0.3"],
+        cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def models(compact_tokenizer, tmp_path_factory):
+    """A student and a teacher vLLM's CPU attention serves (head size 32)."""
+    root = tmp_path_factory.mktemp("served")
+    build_tiny_model(compact_tokenizer, root / "student")
+    build_tiny_model(compact_tokenizer, root / "teacher", seed=1, hidden_size=128)
+    return root / "student", root / "teacher", len(compact_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    _, teacher, vocab = models
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    process = start_server(teacher, port, vocab, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, timeout_s=600)
+        yield url
+    finally:
+        stop(process)
+
+
+@pytest.mark.vllm
+@vllm_installed
+@pytest.mark.parametrize("kind, top_k", [("sampled", 0), ("topk", None), ("topk", 8)])
+def test_served_scores_equal_the_in_process_teachers(models, server, kind, top_k):
+    """Sampled log-probs, and top-k with k = V (the whole distribution) or k = 8, to 1e-4."""
+    student, teacher_dir, vocab = models
+    request = SignalRequest(kind, vocab, top_k=vocab if top_k is None else top_k)
+    served = ServedTeacher.build(served_config(server, student, teacher_dir, signal=kind),
+                                 ONE_CPU_RANK)
+    remote, local = trajectories(vocab), trajectories(vocab)
+    served.score_conversations(remote, request)
+    teacher_for(teacher_dir, "conversation").score_conversations(local, request)
+    served.close()
+    for got, expected in zip(remote, local):
+        if kind == "sampled":
+            torch.testing.assert_close(got.teacher_scores.logprobs_T,
+                                       expected.teacher_scores.logprobs_T, rtol=0, atol=1e-4)
+            continue
+        # Compared as distributions: equal log-probs may come in another order.
+        dense = []
+        for scores in (got.teacher_scores, expected.teacher_scores):
+            rows = torch.full((len(scores.topk_ids_TK), vocab), -math.inf)
+            dense.append(rows.scatter(1, scores.topk_ids_TK, scores.topk_logprobs_TK))
+        torch.testing.assert_close(dense[0], dense[1], rtol=0, atol=1e-4)
+        rest = got.teacher_scores.topk_rest_T, expected.teacher_scores.topk_rest_T
+        if top_k is None:
+            assert torch.isneginf(rest[0]).all() and torch.isneginf(rest[1]).all()
+        else:
+            torch.testing.assert_close(rest[0], rest[1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.vllm
+@vllm_installed
+@pytest.mark.parametrize("mismatch, message", [
+    ("tokenizer", r"serves .* with a tokenizer whose vocabulary differs from the run's"),
+    ("vocab_size", r"serves a vocabulary of \d+ entries and the run compares over \d+"),
+])
+def test_another_vocabulary_is_refused_in_one_sentence(models, server, compact_tokenizer,
+                                                       tmp_path, mismatch, message):
+    if mismatch == "tokenizer":  # one token more
+        tokenizer = build_tokenizer(compact_tokenizer.chat_template)
+        tokenizer.add_tokens(["<extra_token>"])
+        vocab_size = None
+    else:  # the same tokenizer, models whose embeddings are padded
+        tokenizer, vocab_size = compact_tokenizer, len(compact_tokenizer) + 64
+    for name in ("student", "teacher"):
+        build_tiny_model(tokenizer, tmp_path / name, vocab_size=vocab_size)
+    with pytest.raises(VocabularyError, match=rf"^teacher.urls: {server} {message}") as error:
+        ServedTeacher.build(served_config(server, tmp_path / "student", tmp_path / "teacher",
+                                          signal="sampled"), ONE_CPU_RANK)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_a_teacher_that_hangs_or_dies_is_reported_not_waited_on(models, tmp_path):
+    """A stopped server (it accepts connections and never answers) is a timeout; a killed one a
+    refused connection: each ends the scoring in one sentence naming the URL, after its retries."""
+    student, teacher_dir, vocab = models
+    port = free_port()
+    process = start_server(teacher_dir, port, 8, tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, timeout_s=600)
+        served = ServedTeacher.build(served_config(url, student, teacher_dir, signal="sampled",
+                                                   timeout_s=3.0, retries=1), ONE_CPU_RANK)
+        request = SignalRequest("sampled", vocab)
+        conversations = trajectories(vocab)
+        served.score_conversations(conversations[:1], request)  # it answers while it runs
+        for send, cause in ((signal.SIGSTOP, r"no answer within teacher.timeout_s=3"),
+                            (signal.SIGKILL, r"connection refused")):
+            process.send_signal(send)
+            with pytest.raises(TeacherServerError,
+                               match=rf"^teacher.urls: {url} failed the last of 2 tries .*"
+                                     rf"\({cause}\); nothing trained") as error:
+                served.score_conversations(conversations, request)
+            assert "\n" not in str(error.value)
+            assert all(t.teacher_scores is None for t in conversations[1:])
+        served.close()
+    finally:
+        stop(process)
