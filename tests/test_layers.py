@@ -33,7 +33,8 @@ LAYERS: list[list[str]] = [
     ["opd.backends", "opd.inputs"],
     # the sampler and teacher seams: interfaces, the episode state machine, the engines
     ["opd.rollout", "opd.sampling.base", "opd.sampling.hf", "opd.sampling.vllm",
-     "opd.sampling.vllm_engine", "opd.teachers.base", "opd.teachers.in_process"],
+     "opd.sampling.vllm_engine", "opd.teachers.base", "opd.teachers.in_process",
+     "opd.teachers.served", "opd.teachers.server", "opd.teachers.wire"],
     ["opd.eval", "opd.objective"],
     ["opd.trainer"],
     ["opd.pipeline"],
