@@ -10,8 +10,10 @@ The wire format and the refusals before any engine run everywhere.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,3 +225,56 @@ def test_a_teacher_that_hangs_or_dies_is_reported_not_waited_on(models, tmp_path
         served.close()
     finally:
         stop(process)
+
+
+def _train(recipe: Path, run_dir: Path, *overrides: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), "launch/train.py", "--recipe", str(recipe),
+               f"logging.run_dir={run_dir}", "checkpoint.every=1", "eval.every=0",
+               "optim.schedule=constant", "optim.warmup_steps=0", *overrides]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with log.open("w") as out:
+        returncode = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                                    timeout=600).returncode
+    assert returncode == 0, f"{run_dir.name}: exit code {returncode}\n{log.read_text()[-12000:]}"
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_zero3_on_two_ranks_trains_from_a_served_teacher_and_resumes_exactly(tmp_path):
+    """A ZeRO-3 student on 2 ranks, its teacher behind one server started by
+    launch/teacher_server.sh: the sampled-token estimator trains, checkpoints every step, and a
+    run stopped after step 2 and resumed ends like the uninterrupted one."""
+    from dist_scripts.world import VLLM_STUDENT_SHAPE, build_world
+
+    recipe = build_world(tmp_path / "world", student_shape=VLLM_STUDENT_SHAPE,
+                         teacher_shape=VLLM_STUDENT_SHAPE)
+    port = free_port()
+    started = subprocess.run(
+        ["bash", "launch/teacher_server.sh", "--model", str(tmp_path / "world" / "teacher"),
+         "--tokenizer", str(tmp_path / "world" / "tokenizer"), "--port", str(port),
+         "--max-model-len", "512", "--dtype", "float32", "--gpu-memory-utilization", "0.3"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OPD_TEACHER_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "OPD_TEACHER_LOG": str(tmp_path / "server.log")})
+    assert started.returncode == 0, started.stderr
+    pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
+    try:
+        overrides = started.stdout.strip().splitlines()[-1].split()
+        assert overrides == ["teacher.engine=served", f"teacher.urls=[http://127.0.0.1:{port}]"]
+        overrides += ["loss.direction=sampled_reverse_kl"]
+        whole = _train(recipe, tmp_path / "whole", "train.steps=3", *overrides)
+        assert [r["step"] for r in whole] == [1, 2, 3]
+        for record in whole:
+            assert record["teacher_tokens"] > 0 and record["teacher_collect_s"] > 0
+            assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+        assert (tmp_path / "whole" / "checkpoints").is_dir()
+        _train(recipe, tmp_path / "split", "train.steps=2", *overrides)
+        resumed = _train(recipe, tmp_path / "split", "train.steps=3", *overrides)
+        assert [r["step"] for r in resumed][-1] == 3
+        for key in ("loss", "tokens", "target_tokens", "grad_norm"):
+            assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-5), key
+    finally:
+        os.kill(pid, signal.SIGKILL)

@@ -26,7 +26,8 @@ ZERO3_UNPERSISTED = {"zero_optimization": {"stage3_param_persistence_threshold":
                                            "stage3_prefetch_bucket_size": 0}}
 
 
-def build_world(root: Path, *, num_tasks: int = 16, student_shape: dict = STUDENT_SHAPE) -> Path:
+def build_world(root: Path, *, num_tasks: int = 16, student_shape: dict = STUDENT_SHAPE,
+                teacher_shape: dict = TEACHER_SHAPE) -> Path:
     """Write the world under `root`; returns the recipe path."""
     import torch
 
@@ -39,7 +40,7 @@ def build_world(root: Path, *, num_tasks: int = 16, student_shape: dict = STUDEN
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     tokenizer.save_pretrained(root / "tokenizer")
-    for name, shape, seed in (("student", student_shape, 0), ("teacher", TEACHER_SHAPE, 1)):
+    for name, shape, seed in (("student", student_shape, 0), ("teacher", teacher_shape, 1)):
         save_model(build_model(ModelShape(**shape), tokenizer, seed=seed), tokenizer, root / name)
     tasks = generate_tasks(num_tasks, seed=7)
     write_jsonl(root / "prompts.jsonl", [task_record(t) for t in tasks])
