@@ -197,6 +197,56 @@ def test_another_vocabulary_is_refused_in_one_sentence(models, server, compact_t
     assert "\n" not in str(error.value)
 
 
+class _ShortAnswers:
+    """A proxy in front of the real server that drops the last target token of every answer
+    (re-encoded, so the answer is well formed and only short): a partial payload."""
+
+    def __init__(self, upstream: str):
+        import threading
+        import urllib.request
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                with urllib.request.urlopen(upstream + self.path) as response:
+                    self._reply(response.read())
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with urllib.request.urlopen(urllib.request.Request(
+                        upstream + self.path, data=body)) as response:
+                    answer = decode_answer(response.read())
+                self._reply(encode_answer(replace(answer, logprobs_T=answer.logprobs_T[:-1])))
+
+            def _reply(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_a_partial_answer_never_trains(models, server):
+    student, teacher_dir, vocab = models
+    proxy = _ShortAnswers(server)
+    served = ServedTeacher.build(served_config(proxy.url, student, teacher_dir, signal="sampled",
+                                               retries=1), ONE_CPU_RANK)
+    conversations = trajectories(vocab)
+    with pytest.raises(TeacherServerError, match=r"\(an answer for \d+ target tokens, not \d+\)"):
+        served.score_conversations(conversations, SignalRequest("sampled", vocab))
+    assert all(t.teacher_scores is None for t in conversations)
+    served.close()
+    proxy.server.shutdown()
+
+
 @pytest.mark.vllm
 @vllm_installed
 def test_a_teacher_that_hangs_or_dies_is_reported_not_waited_on(models, tmp_path):
