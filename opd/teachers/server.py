@@ -24,7 +24,6 @@ engine thread; HTTP threads only parse and wait).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import queue
 import sys
@@ -94,9 +93,11 @@ class ScoringEngine:
 
         prompts, params = [], []
         for request in requests:
-            # 0: the prompt token's own log-prob only.
-            param = SamplingParams(max_tokens=1, detokenize=False, prompt_logprobs=(
-                request.top_k if request.kind == "topk" else 0))
+            # 0: the prompt token's own log-prob only. Flat: plain lists instead of a dict of
+            # objects per position, each position's entries in a fixed order (below).
+            param = SamplingParams(max_tokens=1, detokenize=False, flat_logprobs=True,
+                                   prompt_logprobs=request.top_k if request.kind == "topk"
+                                   else 0)
             for ids in request.token_ids:
                 prompts.append(TokensPrompt(prompt_token_ids=ids.tolist()))
                 params.append(param)
@@ -106,33 +107,38 @@ class ScoringEngine:
 
     def _answer(self, request: ScoreRequest, prompt_logprobs: list) -> ScoreAnswer:
         k = request.top_k if request.kind == "topk" else 0
-        sampled, ids, logprobs, rest = [], [], [], []
-        for tokens, positions, per_position in zip(request.token_ids, request.positions,
-                                                   prompt_logprobs):
-            for position in positions.tolist():
-                # vLLM's entry j is the distribution of token j given the tokens before it.
-                entry = per_position[position + 1]
-                sampled.append(entry[int(tokens[position + 1])].logprob)
-                if not k:
-                    continue
-                # The top k, plus the prompt token when it is not among them.
-                top = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
-                ids.append([token for token, _ in top])
-                logprobs.append([value.logprob for _, value in top])
-                rest.append(_rest_logprob(logprobs[-1], k >= self.health.vocab_size))
-        answer = ScoreAnswer(request.kind, request.top_k, np.array(sampled, dtype=np.float32))
+        # Empty first rows: a request may hold no target token.
+        sampled = [np.zeros(0, np.float32)]
+        ids, logprobs = [np.zeros((0, k), np.int32)], [np.zeros((0, k), np.float32)]
+        for positions, flat in zip(request.positions, prompt_logprobs):
+            # Position j holds the distribution of token j given the tokens before it: first
+            # the prompt token's entry, then the top k in descending order (vLLM's
+            # gather_logprobs; position 0 holds nothing).
+            first_J = np.asarray(flat.start_indices, dtype=np.int64)[positions + 1]
+            values = np.asarray(flat.logprobs, dtype=np.float32)
+            sampled.append(values[first_J])
+            if k:
+                columns_JK = first_J[:, None] + 1 + np.arange(k)
+                ids.append(np.asarray(flat.token_ids, dtype=np.int32)[columns_JK])
+                logprobs.append(values[columns_JK])
+        answer = ScoreAnswer(request.kind, request.top_k, np.concatenate(sampled))
         if k:
-            answer.topk_ids_TK = np.array(ids, dtype=np.int32).reshape(-1, k)
-            answer.topk_logprobs_TK = np.array(logprobs, dtype=np.float32).reshape(-1, k)
-            answer.topk_rest_T = np.array(rest, dtype=np.float32)
+            answer.topk_ids_TK = np.concatenate(ids).reshape(-1, k)
+            answer.topk_logprobs_TK = np.concatenate(logprobs).reshape(-1, k)
+            answer.topk_rest_T = _rest_logprob(answer.topk_logprobs_TK,
+                                               k >= self.health.vocab_size)
         return answer
 
 
-def _rest_logprob(top_logprobs: list[float], whole_vocabulary: bool) -> float:
-    """log(1 - the top k's mass), in float64; -inf when nothing is outside them (rounding can
-    push the sum of a whole vocabulary past 1)."""
-    mass = math.fsum(math.exp(value) for value in top_logprobs)
-    return -math.inf if whole_vocabulary or mass >= 1.0 else math.log1p(-mass)
+def _rest_logprob(top_logprobs_TK: np.ndarray, whole_vocabulary: bool) -> np.ndarray:
+    """log(1 - the top k's mass) per row, summed in float64; -inf where nothing is outside them
+    (rounding can push the sum of a whole vocabulary past 1)."""
+    mass_T = np.exp(top_logprobs_TK.astype(np.float64)).sum(axis=1)
+    with np.errstate(divide="ignore"):
+        rest_T = np.log1p(-np.minimum(mass_T, 1.0))
+    if whole_vocabulary:
+        rest_T[:] = -np.inf
+    return rest_T.astype(np.float32)
 
 
 class Batcher:
