@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -359,7 +360,10 @@ def _read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"Config file {path} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (a binary or differently encoded "
+                          "file?).") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -434,7 +438,7 @@ def _describe(hint) -> str:
         return f"a list of {_describe(args[0])}"
     if origin is dict:
         return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}[hint]
 
 
 def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
@@ -469,12 +473,16 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad()
-        return float(value)
+        else:
+            number = float(value)
+        if not math.isfinite(number):  # inf passes every bound, nan fails none
+            raise bad()
+        return number
     if hint is str:
         if value is None:
             return ""

