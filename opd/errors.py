@@ -37,3 +37,7 @@ class MissingFileError(OPDError, FileNotFoundError):
 
 class NonFiniteError(OPDError):
     """Training stopped: steps had a non-finite loss or gradient norm (train.nonfinite)."""
+
+
+class MetricsError(OPDError, ValueError):
+    """A metrics file that cannot be read; the message names the file and line."""
