@@ -31,6 +31,10 @@ class CheckpointError(OPDError, ValueError):
     """A checkpoint that cannot be resumed (damaged, of another world size, missing)."""
 
 
+class ModelFileError(OPDError, ValueError):
+    """A model directory whose config or weights cannot be read (damaged, partly copied)."""
+
+
 class MissingFileError(OPDError, FileNotFoundError):
     """A path named by the config that does not exist."""
 

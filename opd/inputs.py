@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opd.backends import check_model_dir
 from opd.chat import ChatFormat
 from opd.config import Config, ModelConfig
 from opd.data import completion_trajectory, numbered_records, prompt_record, tools_at_turn
@@ -35,7 +36,7 @@ class RunInputs:
 def load_inputs(config: Config) -> RunInputs:
     """The run's tokenizer, chat format and datasets, each checked against the config."""
     for key in ("model.student", "model.teacher"):
-        _model_dir(getattr(config.model, key.split(".")[1]), key)
+        check_model_dir(getattr(config.model, key.split(".")[1]), key)
     chat = chat_format(config.tokenizer_path, config.model, config.model.student,
                        "model.tokenizer" if config.model.tokenizer else "model.student")
     vocab_size = check_vocabulary(config.model, chat.tokenizer)
@@ -132,13 +133,6 @@ def check_vocabulary(model: ModelConfig, tokenizer) -> int:
                 "model.tokenizer to the one both models use, or leave it empty for the "
                 "student's).")
     return min(sizes.values())
-
-
-def _model_dir(path: str, key: str) -> Path:
-    if not (Path(path) / "config.json").is_file():
-        raise MissingFileError(f"{key}: {path} is not a Hugging Face model directory (no "
-                               "config.json); run the recipe's prepare step or fix the path.")
-    return Path(path)
 
 
 def _vocab_size(path: str) -> int:

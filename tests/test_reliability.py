@@ -463,3 +463,63 @@ def test_metrics_that_cannot_be_plotted_are_one_sentence_and_a_torn_last_line_is
     out, err = capsys.readouterr()
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"warning: {metrics} line 4 is cut short" in err
+
+
+@pytest.fixture(scope="module")
+def eval_world(compact_tokenizer, tmp_path_factory) -> Path:
+    """A tiny model and two held-out tasks for `python -m opd.eval`."""
+    from tests.conftest import build_tiny_model
+    from worlds.toolcalc.tasks import generate_tasks, task_record
+
+    root = tmp_path_factory.mktemp("eval_world")
+    build_tiny_model(compact_tokenizer, root / "model")
+    (root / "held.jsonl").write_text("".join(json.dumps(task_record(t)) + "\n"
+                                             for t in generate_tasks(2, 1)))
+    return root
+
+
+def _eval_error(root: Path, model: Path, *args: str) -> str:
+    from opd.eval import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", str(model), "--data", str(root / "held.jsonl"), "--tools",
+              "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer",
+              "--max-new-tokens", "1", "--max-turns", "1", *args])
+    return str(exited.value.code)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("config", None), ("empty", "header too small"), ("head", "invalid header length"),
+    ("half", "incomplete metadata, file not fully covered")])
+def test_eval_of_a_damaged_model_directory_is_one_sentence(eval_world, tmp_path, damage, reason):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(eval_world / "model", model)
+    weights = model / "model.safetensors"
+    if damage == "config":
+        (model / "config.json").write_text('{"model_type": "qwen2", ')
+    else:
+        whole = weights.read_bytes()
+        weights.write_bytes({"empty": b"", "head": whole[:1000], "half": whole[:len(whole) // 2]}
+                            [damage])
+    message = _eval_error(eval_world, model)
+    if reason is None:
+        assert message == (f"error: --model: {model}/config.json is not a JSON object (a damaged "
+                           "or partly copied model directory?).")
+    else:
+        assert message == (f"error: --model: cannot load the model in {model} (Error while "
+                           f"deserializing header: {reason}); its files are damaged or "
+                           "incomplete (a truncated or partial copy?).")
+
+
+def test_eval_out_naming_a_file_is_refused_before_evaluating(eval_world, tmp_path):
+    existing = tmp_path / "eval.json"
+    existing.write_text("earlier results\n")
+    assert _eval_error(eval_world, eval_world / "model", "--out", str(existing)) == (
+        f"error: --out {existing} is a file; --out names the directory eval.json is written into "
+        "(nothing was evaluated).")
+    assert existing.read_text() == "earlier results\n"
+    assert _eval_error(eval_world, eval_world / "model", "--out", str(existing / "sub")) == (
+        f"error: --out: cannot write to {existing / 'sub'} (Not a directory); nothing was "
+        "evaluated.")
