@@ -15,7 +15,13 @@ from pathlib import Path
 from opd.backends import check_model_dir
 from opd.chat import ChatFormat
 from opd.config import Config, ModelConfig
-from opd.data import completion_trajectory, numbered_records, prompt_record, tools_at_turn
+from opd.data import (
+    OverBudgetError,
+    completion_trajectory,
+    numbered_records,
+    prompt_record,
+    tools_at_turn,
+)
 from opd.errors import DatasetError, MissingFileError, OPDError, VocabularyError
 from opd.rollout import AgentTrajectory
 
@@ -94,14 +100,14 @@ def load_completions(path: str, chat: ChatFormat, micro_batch_tokens: int
     for line, record in numbered_records(path):
         try:
             trajectory = completion_trajectory(chat, record["messages"], record.get("tools"),
-                                               record.get("tools_by_turn"))
+                                               record.get("tools_by_turn"), micro_batch_tokens)
+        except OverBudgetError as error:
+            raise DatasetError(
+                f"{path} line {line} (data.completions): {error}, more than "
+                f"train.micro_batch_tokens={micro_batch_tokens}; raise "
+                "train.micro_batch_tokens or drop the line.") from None
         except OPDError as error:
             raise DatasetError(f"{path} line {line} (data.completions): {error}") from None
-        if len(trajectory.input_ids) > micro_batch_tokens:
-            raise DatasetError(
-                f"{path} line {line} (data.completions): the conversation is "
-                f"{len(trajectory.input_ids)} tokens, more than train.micro_batch_tokens="
-                f"{micro_batch_tokens}; raise train.micro_batch_tokens or drop the line.")
         trajectories.append(trajectory)
     return trajectories
 
