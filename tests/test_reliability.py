@@ -523,3 +523,39 @@ def test_eval_out_naming_a_file_is_refused_before_evaluating(eval_world, tmp_pat
     assert _eval_error(eval_world, eval_world / "model", "--out", str(existing / "sub")) == (
         f"error: --out: cannot write to {existing / 'sub'} (Not a directory); nothing was "
         "evaluated.")
+
+
+def _full_disk(limit_bytes: int):
+    """A process whose files cannot grow past `limit_bytes`: writes fail as on a full disk
+    (EFBIG instead of ENOSPC; the ignored SIGXFSZ survives exec)."""
+    def limit() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return limit
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_space_and_keeps_the_previous_one(
+        world_dir, tmp_path):
+    from opd import checkpoint
+
+    run_dir = tmp_path / "run"
+    common = ["--recipe", str(world_dir / "recipe.yaml"), "cluster.threads_per_rank=1",
+              "student.backend=fsdp", "teacher.engine=replicated", "eval.every=0",
+              f"logging.run_dir={run_dir}"]
+    first = subprocess.run([sys.executable, "launch/train.py", *common, "train.steps=1"],
+                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    full = subprocess.run([sys.executable, "launch/train.py", *common, "train.steps=2"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+                          preexec_fn=_full_disk(64 * 1024))
+    line = _last_line(full)
+    staging = run_dir / "checkpoints" / ".tmp-step-00000002"
+    kept = run_dir / "checkpoints" / "step-00000001"
+    assert line.startswith(f"error: Writing checkpoint {staging} failed ("), full.stderr[-3000:]
+    assert f"GiB free (a full disk or quota?). Free space and resume: checkpoint {kept} is " \
+           "kept." in line
+    assert not staging.exists()
+    assert [path for _, path in checkpoint.checkpoints(run_dir / "checkpoints")] == [kept]
+    assert checkpoint.verify(kept) is None
