@@ -461,6 +461,9 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
     if origin is dict:
         if not isinstance(value, dict):
             raise bad()
+        if _has_nonfinite(value):
+            raise ConfigError(f"{_where(dotted, sources)}: {dotted} must hold finite numbers "
+                              f"only, got {value!r}.")
         return dict(value)
     if hint is bool:
         if not isinstance(value, bool):
@@ -490,6 +493,17 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
             raise bad()
         return value
     raise TypeError(f"unsupported config type {hint} ({dotted})")
+
+
+def _has_nonfinite(value: Any) -> bool:
+    """Whether a YAML value holds inf or nan anywhere (.inf passes every bound a rule sets)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_nonfinite(item) for item in value.values())
+    if isinstance(value, list):
+        return any(_has_nonfinite(item) for item in value)
+    return False
 
 
 def check_rules(section: Any, prefix: str = "", sources: dict[str, str] | None = None) -> None:

@@ -404,6 +404,8 @@ def _dry_run_error(*args: str) -> str:
     ("optim.lr=.nan", "command line: optim.lr must be a finite number, got nan."),
     ("optim.betas=[0.9, .inf]", "command line: optim.betas must be a finite number, got inf."),
     ("tools.timeout_s=-.inf", "command line: tools.timeout_s must be a finite number, got -inf."),
+    ("model.chat_template_kwargs={budget: .nan}", "command line: model.chat_template_kwargs must "
+                                                  "hold finite numbers only, got {'budget': nan}."),
     ("tools.registry=.tools:registry", "tools.registry '.tools:registry' must name its module by "
                                        "an absolute dotted name importable from PYTHONPATH"),
     ("eval.checker=worlds/toolcalc/tasks.py:check_answer", "eval.checker 'worlds/toolcalc/"
@@ -507,6 +509,9 @@ def test_eval_of_a_damaged_model_directory_is_one_sentence(eval_world, tmp_path,
     if reason is None:
         assert message == (f"error: --model: {model}/config.json is not a JSON object (a damaged "
                            "or partly copied model directory?).")
+        assert _dry_run_error(f"model.student={model}") == (
+            f"error: model.student: {model}/config.json is not a JSON object (a damaged or partly "
+            "copied model directory?).")
     else:
         assert message == (f"error: --model: cannot load the model in {model} (Error while "
                            f"deserializing header: {reason}); its files are damaged or "
