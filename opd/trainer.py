@@ -11,8 +11,8 @@
              world_size / global_targets: after data-parallel gradient averaging the gradient is
              that of the mean over every target token of the step, however they are split;
 5. step      clip and step at the scheduled learning rate, unless the loss or the gradient norm
-             is not finite (then nothing is applied: train.nonfinite); log; eval and checkpoint
-             when due.
+             is not finite or the step has no target tokens (then nothing is applied:
+             train.nonfinite); log; eval and checkpoint when due.
 
 Everything random is derived from (seed, step, rank), so a resumed run repeats the steps of an
 uninterrupted one exactly.
