@@ -619,8 +619,8 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
         return ConfigError(f"{_where(key, sources)}: {sentence}")
 
     # Pure RL (loss.distill_weight=0) and SFT need no teacher; one named is still evaluated.
-    needed = ("model.student", "data.prompts") + (("model.teacher",) if config.loss.needs_teacher
-                                                   else ())
+    needed = ("model.student", *(("model.teacher",) if config.loss.needs_teacher else ()),
+              "data.prompts")
     for key in needed:
         if not _get(config, key):
             raise fail(key, f"{key} is not set; the recipe must name it.")

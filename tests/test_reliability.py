@@ -147,7 +147,9 @@ def world_dir(tmp_path_factory) -> Path:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """The repository and tests/ on the path: fixtures import each other as top-level modules."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+            "OMP_NUM_THREADS": "1"}
 
 
 def _wait_for_step(run_dir: Path, procs) -> None:
@@ -350,7 +352,7 @@ def test_a_run_whose_environment_never_starts_fails_instead_of_exporting_the_stu
     """No conversation holds a student token: every step is skipped and counted, and the run
     ends in one sentence with nothing exported (it used to exit 0 with the untouched student)."""
     run_dir = tmp_path / "run"
-    common = ["tools.registry=", "tools.environment=tests.env_fixtures:BrokenConstructor",
+    common = ["tools.registry=", "tools.environment=env_fixtures:BrokenConstructor",
               f"student.backend={backend}", "eval.every=0", f"logging.run_dir={run_dir}"]
     never = _train(world_dir, *common, "train.steps=2")
     assert _last_line(never).startswith(
