@@ -293,7 +293,7 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     # environment that never starts, prompts that fill the budget) has nothing to learn from.
     empty = not global_targets
     grad_norm, applied = run.student.step(lr, skip=empty or not math.isfinite(loss))
-    applied = applied and not empty  # DeepSpeed steps an empty step at lr 0: nothing changes
+    applied = applied and not empty  # an engine may run an empty step at lr 0: nothing changes
     train_s += time.perf_counter() - tick
     if applied:
         run.sampler.weights_changed()
