@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from opd.dist import all_gather_objects, barrier
 from opd.errors import CheckpointError
@@ -165,12 +166,19 @@ def save(root: Path, step: int, student, trainer_state: dict, world, keep: int) 
             shutil.rmtree(stale)
         staging.mkdir()
     barrier()
-    student.save(staging)
-    torch.save(_rng_state(), staging / f"rng-rank{world.rank}.pt")
-    if world.is_main:
-        state = dict(trainer_state, step=step, world_size=world.world_size)
-        (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-    barrier()
+    try:
+        student.save(staging)
+        torch.save(_rng_state(), staging / f"rng-rank{world.rank}.pt")
+        if world.is_main:
+            state = dict(trainer_state, step=step, world_size=world.world_size)
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        problem = None
+    except (OSError, RuntimeError, CheckpointException) as error:
+        # A full disk or quota: torch says "unexpected pos" or "file write failed", not why.
+        problem = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    problem = next((p for p in all_gather_objects(problem) if p), None)
+    if problem is not None:
+        _failed_write(root, staging, problem, world)
     _write_manifest(staging, world)
     barrier()
     if world.is_main:
@@ -186,6 +194,20 @@ def save(root: Path, step: int, student, trainer_state: dict, world, keep: int) 
     _rotate(root, keep, world)
     barrier()
     return final
+
+
+def _failed_write(root: Path, staging: Path, problem: str, world) -> None:
+    """Collective: clear the partial `staging` (its space too) and stop in one sentence that
+    names the free space and the checkpoint kept."""
+    if world.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    free_gib = shutil.disk_usage(root).free / 2**30
+    kept = checkpoints(root)
+    barrier()
+    raise CheckpointError(
+        f"Writing checkpoint {staging} failed ({problem}); the filesystem of {root} has "
+        f"{free_gib:.2f} GiB free (a full disk or quota?). Free space and resume: "
+        + (f"checkpoint {kept[-1][1]} is kept." if kept else "no earlier checkpoint exists."))
 
 
 def load(path: Path, student, world) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -450,7 +451,10 @@ def _read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"Config file {path} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (a binary or differently encoded "
+                          "file?).") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -525,7 +529,7 @@ def _describe(hint) -> str:
         return f"a list of {_describe(args[0])}"
     if origin is dict:
         return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}[hint]
 
 
 def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
@@ -548,6 +552,9 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
     if origin is dict:
         if not isinstance(value, dict):
             raise bad()
+        if _has_nonfinite(value):
+            raise ConfigError(f"{_where(dotted, sources)}: {dotted} must hold finite numbers "
+                              f"only, got {value!r}.")
         return dict(value)
     if hint is bool:
         if not isinstance(value, bool):
@@ -560,12 +567,16 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad()
-        return float(value)
+        else:
+            number = float(value)
+        if not math.isfinite(number):  # inf passes every bound, nan fails none
+            raise bad()
+        return number
     if hint is str:
         if value is None:
             return ""
@@ -573,6 +584,17 @@ def _coerce(value: Any, hint, dotted: str, sources: dict[str, str]):
             raise bad()
         return value
     raise TypeError(f"unsupported config type {hint} ({dotted})")
+
+
+def _has_nonfinite(value: Any) -> bool:
+    """Whether a YAML value holds inf or nan anywhere (.inf passes every bound a rule sets)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_nonfinite(item) for item in value.values())
+    if isinstance(value, list):
+        return any(_has_nonfinite(item) for item in value)
+    return False
 
 
 def check_rules(section: Any, prefix: str = "", sources: dict[str, str] | None = None) -> None:
@@ -604,8 +626,8 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
         return ConfigError(f"{_where(key, sources)}: {sentence}")
 
     # Pure RL (loss.distill_weight=0) and SFT need no teacher; one named is still evaluated.
-    needed = ("model.student", "data.prompts") + (("model.teacher",) if config.loss.needs_teacher
-                                                   else ())
+    needed = ("model.student", *(("model.teacher",) if config.loss.needs_teacher else ()),
+              "data.prompts")
     for key in needed:
         if not _get(config, key):
             raise fail(key, f"{key} is not set; the recipe must name it.")

@@ -187,9 +187,13 @@ def tools_at_turn(tools: Sequence[dict] | None, tools_by_turn: Sequence | None,
     return offered
 
 
+class OverBudgetError(DatasetError):
+    """A completion longer than the token budget it was rendered under."""
+
+
 def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
                           tools: Sequence[dict] | None = None,
-                          tools_by_turn: Sequence | None = None):
+                          tools_by_turn: Sequence | None = None, max_tokens: int | None = None):
     """A whole conversation as an `AgentTrajectory`: assistant turns are targets, the rest context.
 
     Built the way a rollout builds one, so SFT and off-policy batches train on the IDs the
@@ -199,6 +203,10 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
     boundary rendering (`ChatFormat.observation_ids`, `ChatFormat.user_turn_ids`), with the
     tools offered at that user turn (`tools_by_turn`). Trailing messages after the last
     assistant turn carry nothing to learn and are dropped.
+
+    Linear in turns: an assistant turn's text is rendered from a window of the history of
+    constant size (`_assistant_window`), and with `max_tokens` the rendering stops with
+    `OverBudgetError` at the first turn past it, not after the whole history.
     """
     chat = chat_or_tokenizer if isinstance(chat_or_tokenizer, ChatFormat) \
         else ChatFormat(chat_or_tokenizer)
@@ -208,6 +216,7 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
         raise DatasetError("A completion needs a prompt followed by at least one assistant "
                            "message.")
     user_turn = 0
+    last_user = max([0, *(i for i in range(assistant_at[0]) if messages[i]["role"] == "user")])
     offered = tools_at_turn(tools, tools_by_turn, user_turn)
     ids = chat.prompt_ids(messages[:assistant_at[0]], offered)
     trajectory = AgentTrajectory.from_prompt(ids)
@@ -215,15 +224,37 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
         if turn > 0:
             between = messages[assistant_at[turn - 1] + 1:index]
             if any(m["role"] == "user" for m in between):
+                last_user = max(i for i in range(assistant_at[turn - 1] + 1, index)
+                                if messages[i]["role"] == "user")
                 user_turn += 1
                 offered = tools_at_turn(tools, tools_by_turn, user_turn)
             ids, kind = _context_ids(chat, between, offered, trajectory.input_ids[-1])
             trajectory.append(ids, kind)
-        text, stop_id = _assistant_text(chat, messages[:index], messages[index], offered)
+        history = _assistant_window(messages, index, last_user) if turn > 0 \
+            else messages[:index]
+        text, stop_id = _assistant_text(chat, history, messages[index], offered)
         trajectory.append(chat.encode(text) + [stop_id], "assistant")
         trajectory.turns += 1
         trajectory.tool_calls += len(messages[index].get("tool_calls") or [])
+        if max_tokens is not None and len(trajectory.input_ids) > max_tokens:
+            raise OverBudgetError(
+                f"the conversation is already {len(trajectory.input_ids)} tokens at its "
+                f"assistant turn {turn + 1} of {len(assistant_at)}")
     return trajectory
+
+
+def _assistant_window(messages: list[dict], index: int, last_user: int) -> list[dict]:
+    """The history `_assistant_text` renders assistant message `index` after: the system
+    message, the last user message (at `last_user`) and what follows the previous assistant
+    turn, that turn included. Templates write an assistant turn from the turn itself and its
+    place after the last user query (Qwen3 keeps the reasoning of turns after it), so this
+    window gives the text the whole history gives, at a cost that does not grow with the
+    conversation."""
+    system = messages[:1] if messages[0]["role"] == "system" and last_user > 0 else []
+    previous = index - 1
+    while messages[previous]["role"] != "assistant" and previous > last_user:
+        previous -= 1  # back over the tool or user messages since the previous turn
+    return [*system, messages[last_user], *messages[max(previous, last_user + 1):index]]
 
 
 def _assistant_text(chat, history: list[dict], message: dict, tools) -> tuple[str, int]:

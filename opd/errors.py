@@ -31,12 +31,20 @@ class CheckpointError(OPDError, ValueError):
     """A checkpoint that cannot be resumed (damaged, of another world size, missing)."""
 
 
+class ModelFileError(OPDError, ValueError):
+    """A model directory whose config or weights cannot be read (damaged, partly copied)."""
+
+
 class MissingFileError(OPDError, FileNotFoundError):
     """A path named by the config that does not exist."""
 
 
 class NonFiniteError(OPDError):
     """Training stopped: steps had a non-finite loss or gradient norm (train.nonfinite)."""
+
+
+class MetricsError(OPDError, ValueError):
+    """A metrics file that cannot be read; the message names the file and line."""
 
 
 class TeacherServerError(OPDError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from opd.backends import load_causal_lm, resolve_precision
+from opd.backends import check_model_dir, load_causal_lm, resolve_precision
 from opd.chat import ChatFormat
 from opd.checker import Checker, EpisodeOutcome, call_checker
 from opd.config import RolloutConfig, ToolsConfig, load_config
@@ -310,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
                 raise ConfigError(f"{flag} (or a --recipe that sets {key}) is needed.")
         if not Path(args.model).is_dir():
             raise MissingFileError(f"--model: {args.model} is not a directory.")
+        check_model_dir(args.model, "--model")
+        if args.out is not None:  # before evaluating: a late failure would lose the results
+            out_dir_ready(Path(args.out))
         chat = chat_format(config.model.tokenizer or args.model, config.model, args.model,
                            "--tokenizer" if config.model.tokenizer else "--model")
         rollout_cfg = greedy(config.rollout) if greedy_decoding else config.rollout
@@ -322,13 +326,26 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"model": str(args.model), "data": config.data.eval, "seed": spec.seed,
               "rollout": asdict(spec.rollout), "metrics": metrics}
     if args.out is not None:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     print(results_table({"model": metrics}))
     if metrics.get("per_group"):  # per task family (record["family"]), e.g. BFCL's categories
         print(results_table(metrics["per_group"]))
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "per_group")}))
     return report
+
+
+def out_dir_ready(out: Path) -> None:
+    """Create `--out` (the directory eval.json goes into), or say in one sentence why not."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; --out names the directory eval.json is "
+                          "written into (nothing was evaluated).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise ConfigError(f"--out: cannot write to {out} ({error.strerror or error}); nothing "
+                          "was evaluated.") from None
 
 
 if __name__ == "__main__":

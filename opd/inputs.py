@@ -12,9 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opd.backends import check_model_dir
 from opd.chat import ChatFormat
 from opd.config import Config, ModelConfig
-from opd.data import completion_trajectory, numbered_records, prompt_record, tools_at_turn
+from opd.data import (
+    OverBudgetError,
+    completion_trajectory,
+    numbered_records,
+    prompt_record,
+    tools_at_turn,
+)
 from opd.errors import DatasetError, MissingFileError, OPDError, VocabularyError
 from opd.trajectory import AgentTrajectory
 
@@ -36,7 +43,7 @@ def load_inputs(config: Config) -> RunInputs:
     """The run's tokenizer, chat format and datasets, each checked against the config."""
     for key in ("model.student", "model.teacher"):
         if getattr(config.model, key.split(".")[1]):  # no teacher: SFT or pure RL
-            _model_dir(getattr(config.model, key.split(".")[1]), key)
+            check_model_dir(getattr(config.model, key.split(".")[1]), key)
     chat = chat_format(config.tokenizer_path, config.model, config.model.student,
                        "model.tokenizer" if config.model.tokenizer else "model.student")
     vocab_size = check_vocabulary(config.model, chat.tokenizer)
@@ -94,14 +101,14 @@ def load_completions(path: str, chat: ChatFormat, micro_batch_tokens: int
     for line, record in numbered_records(path):
         try:
             trajectory = completion_trajectory(chat, record["messages"], record.get("tools"),
-                                               record.get("tools_by_turn"))
+                                               record.get("tools_by_turn"), micro_batch_tokens)
+        except OverBudgetError as error:
+            raise DatasetError(
+                f"{path} line {line} (data.completions): {error}, more than "
+                f"train.micro_batch_tokens={micro_batch_tokens}; raise "
+                "train.micro_batch_tokens or drop the line.") from None
         except OPDError as error:
             raise DatasetError(f"{path} line {line} (data.completions): {error}") from None
-        if len(trajectory.input_ids) > micro_batch_tokens:
-            raise DatasetError(
-                f"{path} line {line} (data.completions): the conversation is "
-                f"{len(trajectory.input_ids)} tokens, more than train.micro_batch_tokens="
-                f"{micro_batch_tokens}; raise train.micro_batch_tokens or drop the line.")
         trajectories.append(trajectory)
     return trajectories
 
@@ -135,13 +142,6 @@ def check_vocabulary(model: ModelConfig, tokenizer) -> int:
                 "model.tokenizer to the one both models use, or leave it empty for the "
                 "student's).")
     return min(sizes.values())
-
-
-def _model_dir(path: str, key: str) -> Path:
-    if not (Path(path) / "config.json").is_file():
-        raise MissingFileError(f"{key}: {path} is not a Hugging Face model directory (no "
-                               "config.json); run the recipe's prepare step or fix the path.")
-    return Path(path)
 
 
 def _vocab_size(path: str) -> int:

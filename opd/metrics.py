@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from opd.config import WandbMode
+from opd.errors import MetricsError
 
 PLOTTED = ("loss", "kl_per_token", "grad_norm", "lr", "target_tokens", "tokens_per_s",
            "valid_tool_calls", "invalid_tool_calls", "truncation_rate", "rollout_s",
@@ -75,16 +76,32 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The step records of a metrics file. A last line that is not valid JSON is what a run
+    killed mid-write leaves: it is skipped with a warning; anything else wrong is one sentence."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"Metrics file {path} does not exist.")
+        raise MetricsError(f"Metrics file {path} does not exist.")
+    try:
+        lines = [(number, line) for number, line in
+                 enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
+    except UnicodeDecodeError:
+        raise MetricsError(f"{path} is not UTF-8 text (not a metrics.jsonl?).") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} line {number} is not valid JSON.") from None
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == lines[-1][0]:
+                print(f"warning: {path} line {number} is cut short (a run killed while writing "
+                      "it?); skipped.", file=sys.stderr)
+                continue
+            raise MetricsError(f"{path} line {number} is not valid JSON.") from None
+        if not isinstance(record, dict):
+            raise MetricsError(f"{path} line {number} is not a JSON object (a step record).")
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise MetricsError(f"{path} line {number} has no integer \"step\".")
+        records.append(record)
     return records
 
 
@@ -97,7 +114,7 @@ def plot(metrics_path: str | Path, out_path: str | Path) -> Path:
 
     records = read_metrics(metrics_path)
     if not records:
-        raise ValueError(f"{metrics_path} has no records to plot.")
+        raise MetricsError(f"{metrics_path} has no records to plot.")
     keys = [k for k in PLOTTED if any(_number(r.get(k)) for r in records)]
     columns = 3
     rows = math.ceil(len(keys) / columns)

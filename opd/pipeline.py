@@ -140,7 +140,9 @@ def evaluate(config: Config, plugins: Plugins, inputs: RunInputs, world: World,
 def dry_run(config: Config, plugins: Plugins) -> str:
     """The resolved config, the world layout and per-rank memory; builds and starts nothing."""
     from opd.backends.memory import memory_estimate
+    from opd.plugins import code_keys
 
+    sampler_class(config.rollout.engine).check_installed()  # what a real run says first
     config = prepared(config, plugins, build=False)
     launched = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else \
@@ -168,4 +170,8 @@ def dry_run(config: Config, plugins: Plugins) -> str:
         f"teacher: {config.teacher.engine}, {teacher_layout}",
         "memory per rank (estimate; terms in opd/backends/memory.py):",
         *(f"  {line}" for line in memory_estimate(config, world, device, tp_size)),
+        "code this recipe names (recipes are code: --dry-run imported these modules, running "
+        "their top-level code, and called prepare(build=False) and tools.registry):",
+        *(f"  {line}" for line in code_keys(config) or ["none (no plugin keys set)"]),
+        f"  packages first imported by them: {', '.join(plugins.imported) or 'none'}",
     ])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,10 @@ def resolve(spec: str, key: str) -> Any:
     if not colon or not module_name or not attribute:
         raise ConfigError(f"{key} {spec!r} must look like module:attribute "
                           "(e.g. worlds.toolcalc.tools:registry).")
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        raise ConfigError(f"{key} {spec!r} must name its module by an absolute dotted name "
+                          "importable from PYTHONPATH (e.g. worlds.toolcalc.tools), not a "
+                          "relative name or a file path.")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -61,6 +66,9 @@ class Plugins:
     parser: Callable
     checker: Checker | None
     environment: type[Environment] | None = None  # a stateful environment class
+    # Top-level packages first imported while resolving (the standard library and opd aside):
+    # the plugins' own and what they import; the module-level code of each ran.
+    imported: tuple[str, ...] = ()
 
     @property
     def eval_checker(self) -> Checker:
@@ -74,6 +82,7 @@ class Plugins:
 def resolve_plugins(config) -> Plugins:
     """Every plugin of `config`, resolved and called where cheap (the tool registry), so that a
     bad name stops the run in one sentence before any engine starts."""
+    before = set(sys.modules)
     tool_registry = ToolRegistry([])
     if config.tools.registry:
         tool_registry = resolve_callable(config.tools.registry, "tools.registry")()
@@ -90,11 +99,22 @@ def resolve_plugins(config) -> Plugins:
         check_environment(environment, f"tools.environment {config.tools.environment!r}")
     parser = resolve_callable(config.tools.parser, "tools.parser") \
         if ":" in config.tools.parser else get_parser(config.tools.parser)
-    return Plugins(
-        prepare=resolve_callable(config.prepare, "prepare") if config.prepare else None,
-        tool_registry=tool_registry, parser=parser, environment=environment,
-        checker=resolve_callable(config.eval.checker, "eval.checker")
-        if config.eval.checker else None)
+    prepare = resolve_callable(config.prepare, "prepare") if config.prepare else None
+    checker = resolve_callable(config.eval.checker, "eval.checker") \
+        if config.eval.checker else None
+    imported = sorted({name.partition(".")[0] for name in set(sys.modules) - before}
+                      - sys.stdlib_module_names - {"opd"})
+    return Plugins(prepare=prepare, tool_registry=tool_registry, parser=parser,
+                   environment=environment, checker=checker, imported=tuple(imported))
+
+
+def code_keys(config) -> list[str]:
+    """`key: value` of every plugin key the config sets: the code a run imports and runs."""
+    keys = ("prepare", "tools.registry", "tools.environment", "tools.parser", "eval.checker")
+    values = [(key, getattr(getattr(config, key.partition(".")[0]), key.partition(".")[2])
+               if "." in key else getattr(config, key)) for key in keys]
+    return [f"{key}: {value}" for key, value in values
+            if value and (key != "tools.parser" or ":" in value)]
 
 
 def prepared(config, plugins: Plugins, *, build: bool = True):

@@ -39,6 +39,16 @@ MAY_DIFFER = ("train.steps", "logging.", "eval.", "cluster.", "checkpoint.every"
 WANDB_PROBE_S = 5.0
 
 
+class _Unset:
+    """A key one of two configs lacks."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
@@ -70,12 +80,16 @@ def config_conflict(config: Config, run_dir: Path) -> str | None:
     except yaml.YAMLError:
         return f"{stored_path} is not valid YAML; move it away or choose another logging.run_dir."
     current = _flat(yaml.safe_load(to_yaml(config)))
-    for key, value in current.items():
-        if key in stored and stored[key] != value and not key.startswith(MAY_DIFFER):
-            return (f"logging.run_dir {run_dir} holds another run ({key} was {stored[key]!r}, now "
-                    f"{value!r}): run with its config to resume it, or set logging.run_dir to a "
+    # Every key either side has: an empty mapping the other side fills ({} -> enable_thinking:
+    # false), or a key the stored config lacks, changes what a step computes as much as a value.
+    for key in [*current, *(key for key in stored if key not in current)]:
+        was, now = stored.get(key, UNSET), current.get(key, UNSET)
+        if was != now and not key.startswith(MAY_DIFFER):
+            return (f"logging.run_dir {run_dir} holds another run ({key} was {was!r}, now "
+                    f"{now!r}): run with its config to resume it, or set logging.run_dir to a "
                     "new directory to start a new run.")
     return None
+
 
 
 def _unwritable(key: str, path: Path) -> str | None:

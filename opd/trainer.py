@@ -14,8 +14,8 @@
              world_size / global_targets: after data-parallel gradient averaging the gradient is
              that of the mean over every target token of the step, however they are split;
 5. step      clip and step at the scheduled learning rate, unless the loss or the gradient norm
-             is not finite (then nothing is applied: train.nonfinite); log; eval and checkpoint
-             when due.
+             is not finite or the step has no target tokens (then nothing is applied:
+             train.nonfinite); log; eval and checkpoint when due.
 
 Everything random is derived from (seed, step, rank), so a resumed run repeats the steps of an
 uninterrupted one exactly.
@@ -289,11 +289,16 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
 
     tick = time.perf_counter()
     lr = learning_rate(step, config.optim, config.train.steps)
-    grad_norm, applied = run.student.step(lr, skip=not math.isfinite(loss))
+    # A step without target tokens (every conversation ended before the student wrote one: an
+    # environment that never starts, prompts that fill the budget) has nothing to learn from.
+    empty = not global_targets
+    grad_norm, applied = run.student.step(lr, skip=empty or not math.isfinite(loss))
+    applied = applied and not empty  # an engine may run an empty step at lr 0: nothing changes
     train_s += time.perf_counter() - tick
     if applied:
         run.sampler.weights_changed()
-    guard_nonfinite(run, step, loss, grad_norm, applied)
+    guard_nonfinite(run, step, loss, grad_norm, applied,
+                    why_empty(trajectories) if empty else None)
     # The loss carries the seed's temperature**2 factor; a KL direction's loss without it is the
     # KL per target token between the temperature-scaled distributions (none for jsd and sft).
     kl = loss / config.loss.temperature ** 2 \
@@ -332,12 +337,15 @@ def pack(run: Run, trajectories: list[AgentTrajectory]) -> tuple[list[PackedBatc
     return batches + [empty] * int(most_batches - len(batches)), global_targets
 
 
-def guard_nonfinite(run: Run, step: int, loss: float, grad_norm: float, applied: bool) -> None:
+def guard_nonfinite(run: Run, step: int, loss: float, grad_norm: float, applied: bool,
+                    empty: str | None = None) -> None:
     """Count a step the engine did not apply; stop as `train.nonfinite` says.
 
-    Every rank sees the same all-reduced loss and the same global norm, so all ranks decide
-    alike. A non-finite loss with an applied update cannot be undone: the run stops before the
-    next checkpoint could keep it.
+    `empty`: why the step had no target tokens (None when it had some); such a step is skipped
+    and counted like a non-finite one, so a run that never trains fails instead of exporting
+    the untouched student. Every rank sees the same all-reduced loss, target count and global
+    norm, so all ranks decide alike. A non-finite loss with an applied update cannot be undone:
+    the run stops before the next checkpoint could keep it.
     """
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if applied and finite:
@@ -346,23 +354,33 @@ def guard_nonfinite(run: Run, step: int, loss: float, grad_norm: float, applied:
     run.nonfinite_steps += 1
     run.nonfinite_in_a_row += 1
     train = run.config.train
-    what = f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}"
+    what = f"step {step}: no target tokens ({empty})" if empty is not None else \
+        f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}"
     if applied:
         raise NonFiniteError(f"{what} was applied by the optimizer although not finite; the run "
                              "stops before a checkpoint could keep it.")
     if step == train.steps and run.nonfinite_steps == step - run.start_step:
-        raise NonFiniteError(f"{what}: no step of this run was finite, so nothing was learned "
-                             "and nothing is exported. Check the teacher's weights, the "
-                             "learning rate and the data.")
+        raise NonFiniteError(f"{what}: no step of this run was finite with target tokens, so "
+                             "nothing was learned and nothing is exported. Check the teacher's "
+                             "weights, the learning rate, the data and the environment.")
     if train.nonfinite == "stop" or run.nonfinite_in_a_row >= train.max_nonfinite_steps:
         raise NonFiniteError(
-            f"{what}: {run.nonfinite_in_a_row} step(s) in a row not finite and skipped "
-            f"(train.nonfinite={train.nonfinite}, train.max_nonfinite_steps="
+            f"{what}: {run.nonfinite_in_a_row} step(s) in a row not finite or without target "
+            f"tokens, skipped (train.nonfinite={train.nonfinite}, train.max_nonfinite_steps="
             f"{train.max_nonfinite_steps}); checkpoints hold only applied steps. Check the "
-            "teacher's weights, the learning rate and the data.")
+            "teacher's weights, the learning rate, the data and the environment.")
     if run.world.is_main:
-        tqdm.write(f"warning: {what} not finite; step skipped, nothing applied "
+        tqdm.write(f"warning: {what}{'' if empty else ' not finite'}; step skipped, nothing applied "
                    f"({run.nonfinite_in_a_row} in a row).")
+
+
+def why_empty(trajectories: list[AgentTrajectory]) -> str:
+    """Why this rank's conversations of a step hold no student token, in a few words."""
+    reasons = {t.environment_error or t.truncation_reason for t in trajectories} - {None}
+    if not trajectories or not reasons:
+        return "no conversation holds a token the student wrote"
+    return "every conversation ended before the student wrote a token: " + \
+        "; ".join(sorted(str(r) for r in reasons))[:300]
 
 
 def evaluate_student(run: Run) -> dict:

@@ -75,7 +75,7 @@ def test_unknown_section_names_it(recipe):
 
 
 def test_bad_value_names_key_and_source(recipe):
-    with pytest.raises(ConfigError, match=r"command line: optim.lr must be a number, got 'fast'"):
+    with pytest.raises(ConfigError, match=r"command line: optim.lr must be a finite number, got 'fast'"):
         load_config(recipe, None, ["optim.lr=fast"])
     with pytest.raises(ConfigError,
                        match=r"loss.direction must be one of forward_kl, reverse_kl, jsd"):

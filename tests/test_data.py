@@ -181,3 +181,70 @@ def test_completion_accepts_a_plain_tokenizer_and_string_arguments(toolcalc_chat
                                    record["tools"])
     assert actual.input_ids == expected.input_ids
     assert actual.assistant_mask == expected.assistant_mask
+
+
+class CountingChat(ChatFormat):
+    """A chat format that counts the messages it renders (the cost of rendering a history)."""
+
+    rendered = 0
+
+    def render(self, messages, tools, add_generation_prompt=True):
+        self.rendered += len(messages)
+        return super().render(messages, tools, add_generation_prompt)
+
+
+def _long_conversation(turns: int) -> list[dict]:
+    """`turns` user questions, each answered by a tool call, its result and a final answer."""
+    messages = [{"role": "system", "content": "Be brief."}]
+    for turn in range(turns):
+        call = {"function": {"name": "calculator", "arguments": {"expression": f"{turn} * 7"}}}
+        messages += [{"role": "user", "content": f"What is {turn} * 7?"},
+                     {"role": "assistant", "content": "", "tool_calls": [call],
+                      "reasoning_content": f"multiply {turn}"},
+                     {"role": "tool", "content": json.dumps({"result": turn * 7})},
+                     {"role": "assistant", "content": f"{turn * 7}"}]
+    return messages
+
+
+def test_a_long_completion_renders_a_bounded_history_per_turn(qwen3_tokenizer):
+    """Each assistant turn used to re-render the whole history before it (57 s for 2,000 turns,
+    quadratic): the messages rendered now grow linearly with the turns."""
+    per_turn = []
+    for turns in (20, 40):
+        chat = CountingChat(qwen3_tokenizer)
+        completion_trajectory(chat, _long_conversation(turns), TOOLS)
+        per_turn.append(chat.rendered / (2 * turns))
+    assert per_turn[1] <= per_turn[0] <= 12, per_turn
+
+
+def test_an_over_budget_completion_is_refused_before_rendering_all_its_turns(qwen3_tokenizer):
+    chat = CountingChat(qwen3_tokenizer)
+    messages = _long_conversation(1000)
+    with pytest.raises(DatasetError, match=r"^the conversation is already \d+ tokens at its "
+                                           r"assistant turn \d of 2000$"):
+        completion_trajectory(chat, messages, TOOLS, max_tokens=600)
+    assert chat.rendered < 100
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_an_assistant_turn_renders_after_its_window_as_after_the_whole_history(
+        qwen3_tokenizer, thinking):
+    """Qwen3 drops the reasoning of turns before the last user query and keeps it after: the
+    window a turn is rendered after must give the whole history's text for every turn."""
+    from opd.data import _assistant_text, _assistant_window
+
+    chat = ChatFormat(qwen3_tokenizer, {"enable_thinking": thinking})
+    messages = _long_conversation(3)
+    if not thinking:  # Qwen3's generation prompt then holds an empty think block
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+    messages[5:5] = [{"role": "user", "content": "And a second question in a row?"}]
+    last_user = 0
+    for index, message in enumerate(messages):
+        if message["role"] == "user":
+            last_user = index
+        if message["role"] != "assistant" or index == 2:
+            continue
+        window = _assistant_window(messages, index, last_user)
+        assert len(window) <= 5
+        assert _assistant_text(chat, window, message, TOOLS) == \
+            _assistant_text(chat, messages[:index], message, TOOLS), index

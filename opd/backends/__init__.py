@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -23,7 +24,7 @@ from torch import nn
 
 from opd.config import OptimConfig, StudentConfig
 from opd.dist import World
-from opd.errors import MissingFileError
+from opd.errors import MissingFileError, ModelFileError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -169,16 +170,37 @@ def resolve_precision(precision: str, attn_implementation: str, device: torch.de
     return Precision(dtype, attn_implementation)
 
 
+def check_model_dir(path: str | Path, key: str) -> Path:
+    """`path` as a Hugging Face model directory whose config.json parses, or one sentence."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise MissingFileError(f"{key}: {path} is not a Hugging Face model directory (no "
+                               "config.json); run the recipe's prepare step or fix the path.")
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ModelFileError(f"{key}: {config} is not a JSON object (a damaged or partly copied "
+                             "model directory?).")
+    return Path(path)
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str,
                    key: str) -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory (never the hub)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    if not (Path(path) / "config.json").is_file():
-        raise MissingFileError(f"{key}: {path} is not a Hugging Face model directory "
-                                "(no config.json); run the recipe's prepare step or fix the path.")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                attn_implementation=attn_implementation)
+    check_model_dir(path, key)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                    attn_implementation=attn_implementation)
+    except (OSError, SafetensorError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ModelFileError(f"{key}: cannot load the model in {path} ({reason[:200]}); its "
+                             "files are damaged or incomplete (a truncated or partial copy?)."
+                             ) from None
 
 
 def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict]:

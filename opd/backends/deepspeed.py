@@ -134,8 +134,10 @@ class DeepSpeedStudent(StudentEngine):
     def step(self, lr: float, skip: bool = False) -> tuple[float, bool]:
         # ZeRO-3 itself discards a step whose gradient norm is not finite (its `overflow`); a
         # non-finite loss has non-finite gradients, so `skip` needs nothing more here. Should
-        # a step be applied anyway, the caller sees applied=True and stops the run.
-        set_lr(self.optimizer, lr)
+        # a step be applied anyway, the caller sees applied=True and stops the run. A skipped
+        # step with finite (zero) gradients, one without target tokens, steps at lr 0: AdamW
+        # then leaves every weight as it is (its moments decay by one step).
+        set_lr(self.optimizer, 0.0 if skip else lr)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")

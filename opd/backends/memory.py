@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from opd import divergences
-from opd.backends import decoder_layers, resolve_precision
+from opd.backends import check_model_dir, decoder_layers, resolve_precision
 from opd.loss import CHUNK_ELEMENTS, MIN_CHUNK_ROWS
 
 
@@ -51,11 +51,13 @@ class ModelShape:
                           + 3 * self.intermediate)
 
 
-def model_shape(path: str) -> ModelShape | None:
+def model_shape(path: str, key: str = "model") -> ModelShape | None:
     """The shape of a model directory (config.json alone is enough), or None when absent."""
     if not (Path(path) / "config.json").is_file():
         return None
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_model_dir(path, key)  # a damaged config.json: one sentence, not a traceback
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -136,7 +138,8 @@ def memory_estimate(config, world_size: int, device: str, tp_size: int | None = 
 
     lines = []
     tokens = config.train.micro_batch_tokens
-    student, teacher = model_shape(config.model.student), model_shape(config.model.teacher)
+    student, teacher = model_shape(config.model.student, "model.student"), \
+        model_shape(config.model.teacher, "model.teacher")
     train_peak = rollout_peak = 0.0
     if student is None:
         lines.append(_missing("student", config.model.student))

@@ -5,6 +5,7 @@ the training engine, or an inference engine holding a copy of them) and its life
 
     check(config, world)   class method: refuse, from the config and files alone, what this
                            engine cannot run; called before any engine or evaluation starts
+                           (`check_installed`, its first part, also in a dry run)
     sample(prompts, seed)  this rank's finished trajectories (opd.trajectory.AgentTrajectory),
                            each an episode of the run's tool executor; collective where the
                            engine is (every rank calls it once per on-policy step)
@@ -53,8 +54,13 @@ class Sampler(ABC):
         self.context = context
 
     @classmethod  # noqa: B027 - an optional hook
+    def check_installed(cls) -> None:
+        """Refuse, in one sentence, an engine whose packages are not installed (dry runs too)."""
+
+    @classmethod
     def check(cls, config: Config, world: World) -> None:
         """Refuse what this engine cannot run, in one sentence (an OPDError); starts nothing."""
+        cls.check_installed()
 
     @abstractmethod
     def sample(self, prompts: Sequence[dict], seed: int) -> list[AgentTrajectory]:

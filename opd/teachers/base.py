@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,14 +42,11 @@ if TYPE_CHECKING:
     from opd.dist import World
     from opd.trajectory import AgentTrajectory
 
-SIGNALS = ("distribution", "topk", "sampled")
-
-
 @dataclass(frozen=True)
 class SignalRequest:
     """What the loss needs from the teacher this run."""
 
-    kind: str  # one of SIGNALS
+    kind: str  # "distribution" | "topk" | "sampled" (opd.divergences.SIGNALS but "labels")
     vocab_size: int  # the vocabulary student and teacher share
     temperature: float = 1.0  # topk / sampled log-probs are at the loss temperature
     top_k: int = 0  # kind == "topk"
@@ -103,7 +100,6 @@ class TeacherScores:
 
 class Teacher(ABC):
     per_conversation: bool = False  # scores at collect time instead of per micro-batch
-    signals: ClassVar[tuple[str, ...]] = SIGNALS  # what this engine can return
 
     @classmethod
     @abstractmethod
