@@ -36,7 +36,7 @@ from opd import checkpoint, divergences, preemption
 from opd.backends import StudentEngine, build_student
 from opd.config import Config, to_dict, to_yaml
 from opd.dist import World, all_reduce, barrier, shorten_timeout
-from opd.errors import MissingFileError, NonFiniteError
+from opd.errors import MissingFileError, NonFiniteError, OPDError
 from opd.eval import episode_reward, evaluate, greedy, tool_executor
 from opd.inputs import RunInputs
 from opd.loss_sampled import STAT_REDUCTIONS, accumulate_stats, summarize_stats
@@ -209,7 +209,14 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
         tick = time.perf_counter()
         # Copies: dataset completions are reused by later steps and must not keep scores.
         trajectories = [dataclasses.replace(t) for t in trajectories]
-        run.teacher.score_conversations(trajectories, run.signal)
+        failure: OPDError | None = None
+        try:
+            run.teacher.score_conversations(trajectories, run.signal)
+        except OPDError as error:  # e.g. a served teacher that died: every rank stops with it
+            failure = error
+        if all_reduce([failure is not None], op="max")[0]:
+            raise failure or OPDError(f"step {step}: another rank's teacher scoring failed "
+                                      "(its error names the teacher); nothing was trained.")
         metrics["teacher_collect_s"] = round(time.perf_counter() - tick, 4)
     return trajectories, is_off_policy, metrics
 
