@@ -167,7 +167,8 @@ def dry_run(config: Config, plugins: Plugins) -> str:
         f"student: {config.student.backend}, data parallel over {world} ranks, "
         f"{config.train.prompts_per_step} prompts per step "
         f"(~{-(-config.train.prompts_per_step // world)} per rank)",
-        f"teacher: {config.teacher.engine}, {teacher_layout}",
+        f"teacher: {config.teacher.engine}, {teacher_layout}" if config.loss.needs_teacher
+        else "teacher: none started (the loss reads no teacher)",
         "memory per rank (estimate; terms in opd/backends/memory.py):",
         *(f"  {line}" for line in memory_estimate(config, world, device, tp_size)),
         "code this recipe names (recipes are code: --dry-run imported these modules, running "

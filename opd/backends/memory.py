@@ -197,7 +197,7 @@ def memory_estimate(config, world_size: int, device: str, tp_size: int | None = 
         on_device = (share if where == "device" else 0.0) + gathered
         train_peak += on_device + activations
         rollout_peak += share if where == "device" else 0.0
-    if student is not None and teacher is not None:
+    if student is not None and (teacher is not None or not config.loss.needs_teacher):
         lines.append(f"device peak per rank: training {_size(train_peak)}, rollout "
                      f"{_size(rollout_peak)}")
     return lines
