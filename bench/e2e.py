@@ -1,21 +1,24 @@
 """End-to-end OPD throughput against TRL's GKDTrainer: same student, teacher, prompts, one process.
 
-    python bench/e2e.py [--steps 6] [--prompts-per-step 32] [--new-tokens 48]
+    python bench/e2e.py [--steps 6] [--prompts-per-step 32] [--new-tokens 48] [--vocab qwen3]
 
 Both sides train fully on-policy (TRL: lmbda=1, beta=0, i.e. forward KL; ours: forward_kl),
 temperature 1, one turn per conversation (TRL's GKD is single-turn), the same prompts, batch and
 generation budget, AdamW at the same constant learning rate. The models are Llama shapes on
 the toolcalc tokenizer (student 64 hidden x 2 layers, teacher 256 x 4), freshly initialised, so
-both sides sample to the full budget. The first step of each side is a warm-up;
-figures are medians over the other steps' wall times (robust to a machine shared with other
-work). Prints one JSON line per trainer: optimizer steps/s, target tokens/s and the ratio to
-TRL. TRL is a bench-only dependency (`pip install trl`); without it the TRL line says
-so and ours still prints.
+both sides sample to the full budget. `--vocab qwen3` swaps in the real Qwen3 tokenizer and its
+151,936-row embedding (the tests' offline build, tests/qwen3_tokenizer.py, cached under
+$OPD_CACHE_DIR), the vocabulary users train with; the toolcalc one has 1,024 entries. The first
+step of each side is a warm-up; figures are medians over the other steps' wall times (robust to a
+machine shared with other work). Prints one JSON line per trainer: optimizer steps/s, target
+tokens/s and the ratio to TRL. TRL is a bench-only dependency (`pip install trl`); without it the
+TRL line says so and ours still prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -36,21 +39,38 @@ STUDENT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_k
 TEACHER = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=768)
 LR = 1e-3
+VOCABULARIES = ("toolcalc", "qwen3")
 
 
-def build_world(root: Path, prompts: int) -> None:
+def _tokenizer(vocab: str):
+    """The tokenizer and embedding rows of one of VOCABULARIES."""
+    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+
+    if vocab == "toolcalc":
+        tokenizer = load_tokenizer(TOKENIZER_DIR)
+        return tokenizer, len(tokenizer)
+    # The tests' builder is not a package module: load it by path, as bench/kl.py does.
+    spec = importlib.util.spec_from_file_location("qwen3_tokenizer",
+                                                  REPO / "tests" / "qwen3_tokenizer.py")
+    assert spec is not None and spec.loader is not None
+    qwen3 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qwen3)
+    return qwen3.load_qwen3_tokenizer(), qwen3.QWEN3_VOCAB_SIZE
+
+
+def build_world(root: Path, prompts: int, vocab: str) -> None:
     import torch
 
     from opd.data import write_jsonl
     from worlds.toolcalc.models import ModelShape, build_model, save_model
     from worlds.toolcalc.tasks import answer_text, generate_tasks
-    from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 
     torch.manual_seed(0)
-    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    tokenizer, rows = _tokenizer(vocab)
     tokenizer.save_pretrained(root / "tokenizer")
-    save_model(build_model(ModelShape(**STUDENT), tokenizer, seed=0), tokenizer, root / "student")
-    save_model(build_model(ModelShape(**TEACHER), tokenizer, seed=1), tokenizer, root / "teacher")
+    for name, shape, seed in (("student", STUDENT, 0), ("teacher", TEACHER, 1)):
+        save_model(build_model(ModelShape(**shape), tokenizer, seed=seed, vocab_size=rows),
+                   tokenizer, root / name)
     records = [{"messages": [{"role": "user", "content": task.question},
                              {"role": "assistant", "content": answer_text(task.answer)}]}
                for task in generate_tasks(prompts, seed=3)]
@@ -154,6 +174,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--vocab", choices=VOCABULARIES, default="toolcalc")
     parser.add_argument("--measure", choices=TRAINERS, help=argparse.SUPPRESS)
     parser.add_argument("--world", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,9 +182,9 @@ def main() -> None:
         print(json.dumps(measure(args.measure, Path(args.world), args)))
         return
     common = {"bench": "e2e", "steps": args.steps, "prompts_per_step": args.prompts_per_step,
-              "max_new_tokens": args.new_tokens, "threads": args.threads}
+              "max_new_tokens": args.new_tokens, "threads": args.threads, "vocab": args.vocab}
     with tempfile.TemporaryDirectory() as scratch:
-        build_world(Path(scratch), args.prompts_per_step * args.steps)
+        build_world(Path(scratch), args.prompts_per_step * args.steps, args.vocab)
         baseline = None
         for trainer in TRAINERS:
             # Each trainer in its own process: no state (threads, allocator, hooks) carries over.

@@ -35,15 +35,18 @@ TEST_SHAPE = ModelShape(hidden_size=32, num_hidden_layers=1, num_attention_heads
 MAX_POSITIONS = 2048
 
 
-def build_model(shape: ModelShape, tokenizer, seed: int):
-    """A freshly initialised Llama causal LM for `tokenizer`, stopping at its EOS."""
+def build_model(shape: ModelShape, tokenizer, seed: int, vocab_size: int | None = None):
+    """A freshly initialised Llama causal LM for `tokenizer`, stopping at its EOS.
+
+    `vocab_size` pads the embedding past the tokenizer's length, as released models do (Qwen3:
+    151,669 tokens, 151,936 rows)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        **asdict(shape))
+        vocab_size=vocab_size or len(tokenizer), max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **asdict(shape))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
