@@ -260,5 +260,6 @@ def test_an_import_path_under_tmp_stays_importable_at_call_time(tmp_path, monkey
         for _ in range(2):  # the second call runs in a remade /tmp
             result = _run_one(pool, "lazy_import", module="late_module_for_sandbox")
             assert (result.status, result.content) == ("ok", '"late_module_for_sandbox"')
-            assert _run_one(pool, "write_scratch", token="x").status == "ok"
+            # a token no checkout path under /tmp is named (a clone at /tmp/x is bound there)
+            assert _run_one(pool, "write_scratch", token="opd-scratch-probe").status == "ok"
     assert (package / "late_module_for_sandbox.py").read_text() == "VALUE = 42\n"
