@@ -35,7 +35,7 @@ from opd.config import Config
 from opd.dist import World, all_reduce, consecutive_group
 from opd.errors import ConfigError
 from opd.loss import TopKTeacher
-from opd.packing import PackedBatch, empty_micro_batch, pack_varlen
+from opd.packing import PackedBatch, empty_micro_batch, pack_varlen, per_target
 from opd.teachers.base import (
     FullDistribution,
     SampledLogprobs,
@@ -80,20 +80,15 @@ class InProcessTeacher(Teacher):
         with self.head() as (weight, bias):
             scores = signal_from_hidden(hidden_NH, weight, bias, batch.input_ids[0].roll(-1),
                                         rows, request)
-        n = batch.num_tokens
+        # The target rows in order, as one packed sequence's scores: packing places them.
         if request.kind == "sampled":
             assert scores.logprobs_T is not None
-            logprobs_N = hidden_NH.new_zeros(n, dtype=torch.float32)
-            logprobs_N[rows] = scores.logprobs_T
-            return SampledLogprobs(logprobs_N)
+            return SampledLogprobs(per_target(batch, [scores.logprobs_T]))
         assert scores.topk_ids_TK is not None and scores.topk_logprobs_TK is not None \
             and scores.topk_rest_T is not None
-        ids_NK = torch.zeros((n, request.top_k), dtype=torch.long, device=hidden_NH.device)
-        logprobs_NK = hidden_NH.new_zeros((n, request.top_k), dtype=torch.float32)
-        rest_N = hidden_NH.new_zeros(n, dtype=torch.float32)
-        ids_NK[rows], logprobs_NK[rows] = scores.topk_ids_TK, scores.topk_logprobs_TK
-        rest_N[rows] = scores.topk_rest_T
-        return TopKTeacher(ids_NK, logprobs_NK, rest_N)
+        return TopKTeacher(per_target(batch, [scores.topk_ids_TK]),
+                           per_target(batch, [scores.topk_logprobs_TK]),
+                           per_target(batch, [scores.topk_rest_T]))
 
     def score_conversations(self, trajectories: Sequence[AgentTrajectory],
                             request: SignalRequest) -> None:
