@@ -192,11 +192,15 @@ def as_tool_calls(calls: Iterable) -> list:
     return converted
 
 
-def restrict_to_tools(calls: list, tools: Sequence[dict] | None) -> list:
-    """Mark calls to tools not offered in this conversation as invalid (seed: `allowed` names)."""
+def restrict_to_tools(calls: list, tools: Sequence[dict] | None,
+                      withheld: Sequence[dict] = ()) -> list:
+    """Mark calls to tools not offered in this conversation as invalid (seed: `allowed` names),
+    but those to `withheld` tools, which its environment runs before they are offered
+    (opd.environments, RUNS_WITHHELD_TOOLS); the error names only the offered tools."""
     offered = {tool["function"]["name"] for tool in (tools or [])}
+    callable_names = offered | {tool["function"]["name"] for tool in withheld}
     for call in calls:
-        if call.error is None and call.name not in offered:
+        if call.error is None and call.name not in callable_names:
             call.error = f"unknown tool {call.name!r}; available: {sorted(offered)}"
     return calls
 

@@ -187,6 +187,11 @@ def tools_at_turn(tools: Sequence[dict] | None, tools_by_turn: Sequence | None,
     return offered
 
 
+def withheld_tools(tools_by_turn: Sequence | None, turn: int = 0) -> list[dict]:
+    """The tools a record offers only after user turn `turn`: its later `tools_by_turn`."""
+    return [schema for extra in list(tools_by_turn or [])[turn + 1:] for schema in extra or []]
+
+
 class OverBudgetError(DatasetError):
     """A completion longer than the token budget it was rendered under."""
 

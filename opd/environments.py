@@ -15,12 +15,16 @@ conforms to the `Environment` protocol below:
         def preload(cls) -> None: ...                # optional, see below
         TEXT_OBSERVATIONS = False                    # optional: a str result is shown as is
         CHECK_ARGUMENT_TYPES = True                  # optional: False checks names only
+        RUNS_WITHHELD_TOOLS = False                  # optional: later turns' tools run now
 
 - The tools the student may call, and their argument schemas, are the record's "tools" (OpenAI
   function schemas), plus its "tools_by_turn" entries as user turns reach them (opd.data).
   Every call is validated against those schemas before it is sent: a call to a tool not
   offered, or with arguments of the wrong type, never reaches `call` and is answered by an
-  `{"error": ...}` observation (status "invalid").
+  `{"error": ...}` observation (status "invalid"). With `RUNS_WITHHELD_TOOLS = True` a call
+  to a tool the record offers only at a later user turn is validated against its schema and
+  runs before that turn (a benchmark whose executor runs any function of its backends, as
+  BFCL's does); the prompt still shows it only from its turn on, and no error names it.
 - `call` returns the observation value; its JSON (capped at `tools.max_result_chars`) is what
   the student sees, or, with `TEXT_OBSERVATIONS = True`, a returned str as it is (a benchmark
   whose observations are text, such as BFCL's). With `CHECK_ARGUMENT_TYPES = False` the

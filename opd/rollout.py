@@ -50,7 +50,7 @@ import torch
 
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
-from opd.data import prompt_record, tools_at_turn, user_turns
+from opd.data import prompt_record, tools_at_turn, user_turns, withheld_tools
 from opd.sampling.base import TurnEngine, TurnRequest, TurnSampling, request_seed
 from opd.tool_calls import parse_hermes_tool_calls
 from opd.tools import Episode, ToolResult
@@ -223,8 +223,9 @@ class _BatchRollout:
         """Open the rows' episodes (once); a row whose environment cannot start ends at once."""
         if any(row.episode is not None for row in self.rows):
             return
-        episodes = self.executor.open_episodes([row.environment for row in self.rows],
-                                               [row.tools for row in self.rows])
+        episodes = self.executor.open_episodes(
+            [row.environment for row in self.rows], [row.tools for row in self.rows],
+            [withheld_tools(row.tools_by_turn) for row in self.rows])
         for row, episode in zip(self.rows, episodes):
             row.episode = episode
             if episode.end_reason is not None:
@@ -374,7 +375,7 @@ class _BatchRollout:
         # Special tokens stay in the text: a template may register <tool_call> as special.
         text = self.chat.tokenizer.decode(trajectory.input_ids[row.turn_start:],
                                           skip_special_tokens=False)
-        calls = restrict_to_tools(self.parser(text), row.tools)
+        calls = restrict_to_tools(self.parser(text), row.tools, row.live_episode.withheld)
         trajectory.tool_calls += len(calls)
         if not calls:
             trajectory.calls_by_turn[-1].append([])

@@ -141,12 +141,15 @@ ENVIRONMENT_DIED = "environment_died"  # its process hung past a call's timeout 
 class Episode:
     """Handle of one conversation's environment (see ToolExecutor.open_episodes).
 
-    `tools`: the schemas offered so far, which calls are validated against (grown by `offer`).
+    `tools`: the schemas offered so far (grown by `offer`); `withheld`: those its record offers
+    only at a later user turn, which calls may already name when the environment has
+    RUNS_WITHHELD_TOOLS (opd.environments).
     `end_reason` / `error`: None while the environment lives; else ENVIRONMENT_START_FAILED or
     ENVIRONMENT_DIED and the sentence saying why. Hashable by identity."""
 
     def __init__(self, tools: Sequence[dict] | None, worker: _Worker | None = None):
         self.tools: list[dict] = list(tools or [])
+        self.withheld: list[dict] = []
         self.worker = worker
         self.end_reason: str | None = None
         self.error: str | None = None
@@ -164,6 +167,16 @@ class Episode:
     def worker_pid(self) -> int | None:
         """The launcher process at the root of the episode's worker tree (None when trivial)."""
         return self.worker.process.pid if self.worker is not None else None
+
+    def schemas_for(self, call: ToolCall) -> dict[str, dict]:
+        """The schemas by name `call` is validated against: those offered, or only its own
+        when it names a withheld tool (an error never names a tool not offered yet)."""
+        offered = {schema["function"]["name"]: schema for schema in self.tools}
+        if call.name not in offered:
+            for schema in self.withheld:
+                if schema["function"]["name"] == call.name:
+                    return {call.name: schema}
+        return offered
 
     def offer(self, schemas: Sequence[dict]) -> None:
         """Make more tools available from now on (a record's `tools_by_turn`)."""
@@ -253,10 +266,12 @@ class ToolExecutor:
 
     # ------------------------------------------------------------------------------ episodes
 
-    def open_episodes(self, configs: Sequence[Any], tools: Sequence[Sequence[dict] | None]
-                      ) -> list[Episode]:
+    def open_episodes(self, configs: Sequence[Any], tools: Sequence[Sequence[dict] | None],
+                      withheld: Sequence[Sequence[dict]] = ()) -> list[Episode]:
         """One episode per conversation: `configs[i]` is its record's "environment" value ({}
-        when absent), `tools[i]` the schemas it offers at its start.
+        when absent), `tools[i]` the schemas it offers at its start, `withheld[i]` those it
+        offers only at later user turns (callable from the start when the environment has
+        RUNS_WITHHELD_TOOLS, else ignored).
 
         Stateless tools: trivial handles, nothing starts. An environment: each episode gets a
         worker of its own (idle ones are reused), whose zygote forks one child that constructs
@@ -267,6 +282,9 @@ class ToolExecutor:
         episodes = [Episode(schemas) for schemas in tools]
         if self.environment is None:
             return episodes
+        if getattr(self.environment, "RUNS_WITHHELD_TOOLS", False):
+            for episode, later in zip(episodes, withheld):
+                episode.withheld = list(later)
         requests = {}
         with self._lock:
             self._check_open()
@@ -286,10 +304,9 @@ class ToolExecutor:
 
     def validate_call(self, episode: Episode, call: ToolCall) -> str | None:
         """Why `call` is invalid in `episode` (None: valid): the registry's check for stateless
-        tools, else the episode's offered schemas."""
+        tools, else the episode's (Episode.schemas_for)."""
         if episode.stateful:
-            return validate_call(call, {schema["function"]["name"]: schema
-                                        for schema in episode.tools},
+            return validate_call(call, episode.schemas_for(call),
                                  getattr(self.environment, "CHECK_ARGUMENT_TYPES", True))
         return self.registry.validate(call)
 

@@ -71,6 +71,12 @@ COUNTER_TOOLS = [schema("add", by={"type": "integer"}), schema("get"), schema("f
                  schema("crash"), schema("hang"), schema("pid")]
 
 
+class EarlyCounter(Counter):
+    """Runs a record's later turns' tools before they are offered, as BFCL's executor does."""
+
+    RUNS_WITHHELD_TOOLS = True
+
+
 class Preloaded(Counter):
     """Reads what its episodes need in preload() (in the worker, before episodes fork)."""
 

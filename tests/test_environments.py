@@ -16,6 +16,7 @@ from env_fixtures import (
     SCRATCH_TOOLS,
     BrokenConstructor,
     Counter,
+    EarlyCounter,
     FailingPreload,
     HangingConstructor,
     HangingPreload,
@@ -157,6 +158,25 @@ def test_tools_offered_later_become_callable_from_then_on(executor):
     episode.offer([s for s in COUNTER_TOOLS if s["function"]["name"] == "add"])
     assert executor.run_episode_calls({episode: [add()]})[episode][0].status == "ok"
     executor.close_episode(episode)
+
+
+def test_withheld_tools_run_before_their_turn_only_where_the_environment_says_so(executor):
+    """BFCL's executor runs a miss_func function before the turn that offers it; an environment
+    says so with RUNS_WITHHELD_TOOLS. Elsewhere a tool runs only once offered."""
+    get_only = [s for s in COUNTER_TOOLS if s["function"]["name"] == "get"]
+    later = [s for s in COUNTER_TOOLS if s["function"]["name"] == "add"]
+    (refused,) = executor.open_episodes([{}], [get_only], [later])
+    assert executor.run_episode_calls({refused: [add()]})[refused][0].status == "invalid"
+    executor.close_episode(refused)
+    with ToolExecutor(ToolRegistry([]), environment=EarlyCounter, timeout_s=2.0) as pool:
+        (early,) = pool.open_episodes([{}], [get_only], [later])
+        results = pool.run_episode_calls({early: [add(2), add("two"), ToolCall("fail", {})]})
+        assert [r.status for r in results[early]] == ["ok", "invalid", "invalid"]
+        assert "must be of type integer" in json.loads(results[early][1].content)["error"]
+        # an error never names a tool the conversation has not offered yet
+        assert "'add'" not in json.loads(results[early][2].content)["error"]
+        assert pool.episode_state(early) == {"count": 2, "log": [2]}
+        pool.close_episode(early)
 
 
 @pytest.mark.parametrize("environment, words", [(BrokenConstructor, "raised RuntimeError"),

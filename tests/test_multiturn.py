@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from env_fixtures import COUNTER_TOOLS, Counter
+from env_fixtures import COUNTER_TOOLS, Counter, EarlyCounter
 from scripted_model import ScriptedEngine, ScriptedPolicy
 
 from opd.chat import ChatFormat
@@ -155,6 +155,20 @@ def test_tools_by_turn_offers_tools_from_their_user_turn_on(scripted, executor):
     assert later.environment_state == {"count": 3, "log": [3]}
     # the call refused before its tool was offered did not run, so it is not a call of the turn
     assert later.calls_by_turn == [[[], []], [[{"name": "add", "arguments": {"by": 3}}], []]]
+
+
+def test_an_environment_that_runs_withheld_tools_runs_them_before_their_turn(scripted):
+    """RUNS_WITHHELD_TOOLS (BFCL): the first turn's call to `add`, offered only at the second
+    user turn, runs; the prompt still shows `add` only from its turn on."""
+    chat, _ = scripted
+    with ToolExecutor(ToolRegistry([]), environment=EarlyCounter, timeout_s=5.0) as pool:
+        (later,) = run(scripted, pool, [LATER])
+    assert (later.counts.invalid, later.counts.valid) == (0, 2)
+    assert later.environment_state == {"count": 4, "log": [1, 3]}
+    assert later.calls_by_turn == [[[{"name": "add", "arguments": {}}], []],
+                                   [[{"name": "add", "arguments": {"by": 3}}], []]]
+    start, end, kind = later.spans[0]
+    assert kind == "prompt" and '"add"' not in chat.tokenizer.decode(later.input_ids[start:end])
 
 
 def test_completion_of_a_multi_user_turn_conversation_equals_the_scripted_rollout(

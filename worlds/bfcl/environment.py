@@ -16,7 +16,9 @@ refusing such a call would change the episode. The observation is bfcl-eval's, b
 (TEXT_OBSERVATIONS: the worker shows the returned text as it is, not JSON-quoted): a string as
 is, a dict as `json.dumps(dict)` (str() when that fails), anything else as str(result), and an
 exception raised by the method as "Error during execution: <message>", as an "ok" call, the
-way bfcl-eval's executor (and so its checker, which re-runs the call) sees it.
+way bfcl-eval's executor (and so its checker, which re-runs the call) sees it. A call to a
+miss_func function before the turn that offers it runs (RUNS_WITHHELD_TOOLS): bfcl-eval's
+executor runs any method of the instances, whatever the model was shown.
 
 `state()` is what BFCL's state checker compares: per class, the instance's public attributes
 (`vars`, names not starting with "_"), made JSON-able (objects as their public attributes
@@ -53,6 +55,7 @@ class BFCLEnvironment:
 
     TEXT_OBSERVATIONS = True  # call() returns the observation text itself
     CHECK_ARGUMENT_TYPES = False  # the executor checks names only, as bfcl-eval does
+    RUNS_WITHHELD_TOOLS = True  # bfcl-eval runs a miss_func function before its turn too
 
     def __init__(self, config: dict):
         if not isinstance(config, dict) or not isinstance(config.get("involved_classes"), list):

@@ -3,7 +3,8 @@
 For each task, the ground-truth calls run twice: through bfcl-eval's own executor
 (`execute_multi_turn_func_call`, on its call strings) and as a rollout runs them (one episode
 of `BFCLEnvironment` in a sandboxed `ToolExecutor` worker, each turn's calls as one assistant
-step, miss_func's held-out functions offered at their turn). Three things must agree:
+step, miss_func's held-out functions offered at their turn, callable before it as in
+bfcl-eval). Three things must agree:
 
 - observations: every call's observation text, byte for byte, with bfcl-eval's result string;
 - states: the final backend state (public attributes of every instance);
@@ -57,12 +58,13 @@ def bfcl_reference(record: dict) -> tuple[list[list[str]], dict, bool]:
 def sandbox_replay(pool, records: Sequence[dict]) -> list[tuple[list[list[str]], dict, list]]:
     """(observations per turn, final state without its call log, calls_by_turn) of each
     record's ground truth replayed as a rollout runs it, all records' episodes at once."""
-    from opd.data import tools_at_turn
+    from opd.data import tools_at_turn, withheld_tools
     from opd.tool_calls import ToolCall
 
     episodes = pool.open_episodes([r["environment"] for r in records],
                                   [tools_at_turn(r["tools"], r.get("tools_by_turn"), 0)
-                                   for r in records])
+                                   for r in records],
+                                  [withheld_tools(r.get("tools_by_turn")) for r in records])
     observations: list[list[list[str]]] = [[] for _ in records]
     calls_by_turn: list[list] = [[] for _ in records]
     for turn in range(max(len(r["ground_truth_calls"]) for r in records)):
