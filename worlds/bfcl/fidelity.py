@@ -22,6 +22,7 @@ import argparse
 import copy
 import itertools
 import json
+import os
 from collections.abc import Sequence
 
 from worlds.bfcl.convert import CATEGORIES, convert
@@ -99,7 +100,8 @@ def sandbox_replay(pool, records: Sequence[dict]) -> list[tuple[list[list[str]],
 def compare(records: Sequence[dict], *, max_result_chars: int = 1 << 16, workers: int = 8,
             memory_limit_mb: int = 4096) -> list[dict]:
     """Per record: {"id", "observations", "state", "verdict" (each True when it matches),
-    "difference": the first differing observation, or None}."""
+    "difference": the first differing observation, or None, "isolation": the sandbox's
+    (ToolExecutor.isolation)}."""
     from opd.tool_schemas import ToolRegistry
     from opd.tools import ToolExecutor
     from worlds.bfcl.checker import score
@@ -119,7 +121,7 @@ def compare(records: Sequence[dict], *, max_result_chars: int = 1 << 16, workers
                     "id": record["id"], "observations": seen == expected,
                     "state": state == expected_state,
                     "verdict": score(record, turns)["valid"] == expected_verdict,
-                    "difference": difference})
+                    "difference": difference, "isolation": pool.isolation})
     return rows
 
 
@@ -134,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         records = [r for c in CATEGORIES
                    for r in [x for x in records if x["family"] == c][:args.limit]]
     rows = compare(records, max_result_chars=args.max_result_chars, workers=args.workers)
+    print(f"trainer uid {os.geteuid()}, sandbox isolation {rows[0]['isolation'] if rows else None}")
     for key in ("observations", "state", "verdict"):
         print(f"{key}: {sum(r[key] for r in rows)} of {len(rows)} match")
     print(f"all three: {sum(r['observations'] and r['state'] and r['verdict'] for r in rows)} "
