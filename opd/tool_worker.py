@@ -22,6 +22,8 @@ What a tool cannot do, by the isolation in force (reported as ToolExecutor.isola
   processes, or write files only root may write.
 - a trainer that is not root runs calls as itself; in a user namespace, each call child enters
   a nested one, so it holds no capability over the worker's namespaces (cannot unmount /proc).
+  It may signal the zygote, PID 1 of the namespace, which holds no signal handler, so the
+  kernel drops every such signal.
 - without a PID namespace, the uid drop is the only signal barrier; processes a tool starts in a
   session of their own escape the per-call sweep, and, as the same user, it can signal the trainer.
 
@@ -187,6 +189,23 @@ def _mount_proc(libc: Any) -> bool:
                            None) == 0)
 
 
+# The signal handlers the zygote held (Python's SIGINT handler, any a tool module installed),
+# given back to each call and episode child (see _disarm_signals).
+_ZYGOTE_HANDLERS: dict[int, Any] = {}
+
+
+def _disarm_signals() -> None:
+    """The zygote keeps no signal handler. As PID 1 of its namespace it then never sees a
+    signal sent from inside it: a call that runs as the zygote's own user (a trainer that is
+    not root) could otherwise end the worker (Python's SIGINT handler raises
+    KeyboardInterrupt). Its children get the handlers back (_enter_call_child)."""
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            _ZYGOTE_HANDLERS[signum] = handler
+            signal.signal(signum, signal.SIG_DFL)
+
+
 # Written in the worker's directory while the environment's preload() runs.
 PRELOAD_MARKER = ".opd-preloading"
 
@@ -217,6 +236,7 @@ def serve(fd: int, namespaced: bool, libc: Any) -> None:
             _send(conn, "error", f"{getattr(environment, '__name__', 'the environment')}."
                                  f"preload() raised {_describe_exception(exc)}")
         return
+    _disarm_signals()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -405,6 +425,8 @@ def _enter_call_child(trainer_fd: int, drop: tuple | None, pid1: bool, libc: Any
     """What a call child (or an episode child) does first: no way to the trainer, a process
     group of its own, death with the zygote, no new privileges, the unprivileged user."""
     os.close(trainer_fd)  # the tool must not write to the trainer
+    for signum, handler in _ZYGOTE_HANDLERS.items():
+        signal.signal(signum, handler)
     os.setsid()  # a process group of its own, for the sweep without a PID namespace
     if libc:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

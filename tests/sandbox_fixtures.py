@@ -4,6 +4,7 @@ them). A spawned process carries `token` in its command line so the test can fin
 import os
 import signal
 import subprocess
+import time
 
 _calls = 0
 
@@ -60,13 +61,20 @@ def _trainer_pids(marker):
 def signal_trainer(marker):
     outcomes = {}
     for target in [os.getppid(), *_trainer_pids(marker)]:
-        for signum in (signal.SIGUSR1, signal.SIGTERM):
+        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             try:
                 os.kill(target, signum)
                 outcomes[f"{target}/{signum}"] = "sent"
             except OSError as exc:
                 outcomes[f"{target}/{signum}"] = type(exc).__name__
     return outcomes
+
+
+def signal_worker(signum):
+    """Signal the zygote (this call's parent); wait long enough for it to act on the signal."""
+    os.kill(os.getppid(), signum)
+    time.sleep(0.2)
+    return "sent"
 
 
 def depth(value):
@@ -124,6 +132,7 @@ SANDBOX_TOOLS = [
     (_schema("write_file", {"name": {"type": "string"}}), write_file),
     (_schema("spawn", {"token": {"type": "string"}, "wait": {"type": "boolean"}}), spawn),
     (_schema("signal_trainer", {"marker": {"type": "string"}}), signal_trainer),
+    (_schema("signal_worker", {"signum": {"type": "integer"}}), signal_worker),
     (_schema("depth", {"value": {}}), depth),
     (_schema("write_scratch", {"token": {"type": "string"}}), write_scratch),
     (_schema("find_scratch", {"token": {"type": "string"}}), find_scratch),
