@@ -1,0 +1,151 @@
+"""A served teacher on its own Slurm nodes (cluster.teacher_nodes, opd/slurm_teachers.py): the
+sbatch file launch/submit.py writes splits the job's nodes, starts the teacher servers on the
+first ones and hands their URLs to the trainer on the others.
+
+The batch script runs here under bash with the real `scontrol show hostnames` (it parses a node
+list without a controller) and an `srun` on PATH that records each step's nodes and command
+line instead of starting it: the local Slurm (.ci/slurm.sh) has one node, and a node split needs
+two. launch/slurm/teachers.sh runs for real, with an interpreter that records its servers.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opd.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMIT = REPO / "launch" / "submit.py"
+RECIPE = REPO / "recipes" / "qwen3_32b_to_8b_served.yaml"
+CLUSTER = REPO / "configs" / "clusters" / "qwen3-served-4x8xh100.yaml"
+
+needs_scontrol = pytest.mark.skipif(shutil.which("scontrol") is None,
+                                    reason="Slurm's scontrol is not installed (.ci/slurm.sh)")
+
+
+def submit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SUBMIT), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def recording_srun(root: Path) -> Path:
+    """A directory holding an `srun` that writes its arguments to $SRUN_LOG.teacher (the
+    teacher step, which then runs until it is killed, as servers do) or $SRUN_LOG.trainer (the
+    trainer step, written once the teacher step's is: the trainer waits for the servers)."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\n'
+        'if [[ "$*" == *teachers.sh* ]]; then\n'
+        '    printf "%q " "$@" > "$SRUN_LOG.teacher"; exec sleep 120\n'
+        'fi\n'
+        'for _ in $(seq 100); do [[ -s "$SRUN_LOG.teacher" ]] && break; sleep 0.1; done\n'
+        'printf "%q " "$@" > "$SRUN_LOG.trainer"\n')
+    (bin_dir / "srun").chmod(0o755)
+    return bin_dir
+
+
+@needs_scontrol
+def test_the_job_serves_the_teacher_on_its_first_node_and_hands_the_urls_to_the_trainer(
+        tmp_path):
+    result = submit("--cluster", str(CLUSTER), "--recipe", str(RECIPE), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert "#SBATCH --nodes=4" in script  # 3 trainer nodes + 1 teacher node
+    # The setup line would source a venv of the real cluster; everything else runs as written.
+    script = script.replace("source /shared/envs/opd/bin/activate", ":")
+    log = tmp_path / "srun.log"
+    env = {**os.environ, "PATH": f"{recording_srun(tmp_path)}:{os.environ['PATH']}",
+           "SLURM_JOB_NODELIST": "gpu-t1,gpu-s[1-3]", "SLURM_JOB_ID": "4242",
+           "SRUN_LOG": str(log)}
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
+                         timeout=60)  # < the teacher step's 120 s: the script stopped it
+    assert run.returncode == 0, run.stderr
+    port = 9000 + 4242 % 375 * 16
+    urls = f"[http://gpu-t1:{port},http://gpu-t1:{port + 1}]"
+    assert f"opd: teacher servers {urls} on gpu-t1, trainer on gpu-s1,gpu-s2,gpu-s3" in run.stdout
+    assert f"rendezvous gpu-s1:{15000 + 4242 % 15000}" in run.stdout
+
+    # The script ended without waiting out the teacher step: it killed it.
+    teacher_step, train_step = [shlex.split(Path(f"{log}.{step}").read_text())
+                                for step in ("teacher", "trainer")]
+    assert teacher_step[:4] == ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=96",
+                                "--nodelist=gpu-t1"]
+    launcher = teacher_step[4:]
+    assert launcher[:5] == [str(REPO / "launch" / "slurm" / "teachers.sh"), "2", "4", str(port),
+                            "python"]  # 2 servers of tp 4 on the 8-GPU node, ports port, +1
+    server = launcher[5:]
+    config = load_config(RECIPE, CLUSTER)
+    assert server[server.index("--model") + 1] == config.model.teacher
+    assert server[server.index("--tokenizer") + 1] == config.tokenizer_path
+    assert server[server.index("--max-model-len") + 1] == str(config.rollout.max_total_len + 1)
+    assert server[server.index("--host") + 1] == "0.0.0.0"
+
+    assert train_step[:5] == ["--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                              "--cpus-per-task=96", "--nodelist=gpu-s1,gpu-s2,gpu-s3"]
+    assert train_step[-1] == f"teacher.urls={urls}"
+    # The trainer's own command line: the recipe, the cluster file and the URLs, last.
+    recipe_at = train_step.index("--recipe")
+    trainer = load_config(train_step[recipe_at + 1], train_step[recipe_at + 3],
+                          train_step[recipe_at + 4:])
+    assert trainer.teacher.urls == [f"http://gpu-t1:{port}", f"http://gpu-t1:{port + 1}"]
+    assert trainer.cluster.nodes * trainer.cluster.procs_per_node == 24
+
+
+def test_teachers_sh_gives_each_server_its_own_gpus_and_port(tmp_path):
+    """launch/slurm/teachers.sh for real; its interpreter records what each server would get."""
+    record = tmp_path / "servers"
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/usr/bin/env bash\n'
+                           'echo "$CUDA_VISIBLE_DEVICES $*" >> "$RECORD"\n')
+    fake_python.chmod(0o755)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "RECORD": str(record)}
+    run = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "teachers.sh"), "2", "4",
+                          "9100", str(fake_python), "--model", "/m"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = sorted(record.read_text().splitlines())
+    assert lines == [
+        "0,1,2,3 -m opd.teachers.server --port 9100 --tensor-parallel-size 4 --model /m",
+        "4,5,6,7 -m opd.teachers.server --port 9101 --tensor-parallel-size 4 --model /m"]
+
+
+def _cluster(tmp_path: Path, **cluster) -> Path:
+    base = yaml.safe_load(CLUSTER.read_text())
+    base["cluster"].update(cluster)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+@pytest.mark.parametrize("cluster, overrides, message", [
+    ({}, ["teacher.tp_size=3"], "teacher.tp_size=3 must divide cluster.slurm.gpus_per_node=8"),
+    ({}, ["teacher.urls=[http://x:1]"], "teacher.urls must be empty with cluster.teacher_nodes"),
+    ({}, ["teacher.engine=tensor_parallel", "teacher.signal=auto"],
+     "cluster.teacher_nodes configures teacher servers and needs teacher.engine=served, not "
+     "tensor_parallel."),
+])
+def test_a_node_split_that_cannot_start_is_refused_in_one_sentence(tmp_path, cluster, overrides,
+                                                                   message):
+    result = submit("--cluster", str(_cluster(tmp_path, **cluster)), "--recipe", str(RECIPE),
+                    "--dry-run", *overrides)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_without_teacher_nodes_the_job_is_unchanged():
+    """An in-process recipe's job: one srun over every node, no teacher step."""
+    result = submit("--cluster", str(REPO / "configs" / "clusters" / "qwen3-4x8xh100.yaml"),
+                    "--recipe", str(REPO / "recipes" / "qwen3_32b_to_4b.yaml"), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --nodes=4" in result.stdout and "teachers.sh" not in result.stdout
+    assert "TEACHER_URLS" not in result.stdout and result.stdout.count("\nsrun ") == 1
