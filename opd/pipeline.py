@@ -157,8 +157,11 @@ def dry_run(config: Config, plugins: Plugins) -> str:
     teacher_layout = {"zero_inference": f"ZeRO-3 partitioned over {world} ranks",
                       "tensor_parallel": f"tensor parallel, tp_size {tp_size} "
                                          f"({max(1, world // tp_size)} copies)",
-                      "replicated": "one full copy per rank"}.get(config.teacher.engine,
-                                                                   config.teacher.engine)
+                      "replicated": "one full copy per rank",
+                      "served": f"its own servers on {config.cluster.teacher_nodes} further "
+                                "node(s) of the job" if config.cluster.teacher_nodes else
+                                "its own servers at teacher.urls"}.get(config.teacher.engine,
+                                                                       config.teacher.engine)
     return "\n".join([
         to_yaml(config).rstrip(),
         "",
