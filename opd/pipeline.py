@@ -90,7 +90,7 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     check_engines(config, world)
     rows: dict[str, dict] = {}
     if config.eval.before:
-        if config.eval.teacher and config.model.teacher:
+        if evaluates_teacher(config, world):
             rows["teacher"] = evaluate(config, plugins, inputs, world, config.model.teacher,
                                        "model.teacher")
         rows["before"] = evaluate(config, plugins, inputs, world, config.model.student,
@@ -107,6 +107,22 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
         print(results_table(rows), flush=True)
     barrier()
     return rows
+
+
+def evaluates_teacher(config: Config, world: World) -> bool:
+    """Whether the teacher gets its row of the results table. A served teacher's does not: its
+    weights are on its servers because they do not fit beside the student, and the servers
+    score, they do not generate (one sentence says so)."""
+    if not (config.eval.teacher and config.model.teacher):
+        return False
+    if teacher_class(config.teacher.engine).in_trainer:
+        return True
+    if world.is_main:
+        print(f"eval: no teacher row: teacher.engine={config.teacher.engine} keeps the teacher "
+              "on its servers, which score and do not generate; evaluate it apart with "
+              f"`python -m opd.eval --model {config.model.teacher} --recipe RECIPE` where it "
+              "fits (eval.teacher=false silences this).", file=sys.stderr, flush=True)
+    return False
 
 
 def check_engines(config: Config, world: World) -> None:
