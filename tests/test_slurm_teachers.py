@@ -149,3 +149,20 @@ def test_without_teacher_nodes_the_job_is_unchanged():
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=4" in result.stdout and "teachers.sh" not in result.stdout
     assert "TEACHER_URLS" not in result.stdout and result.stdout.count("\nsrun ") == 1
+
+
+def test_a_requeued_job_whose_teacher_moved_to_other_nodes_resumes(tmp_path):
+    """A requeued job may get other nodes, so other teacher URLs: its checkpoint still resumes.
+    What the teacher computes (its engine, signal, top-k, quantization) may not change."""
+    from test_reliability import _check, _config, _ran
+
+    from opd.errors import ConfigError
+
+    served = ["teacher.engine=served", "loss.direction=sampled_reverse_kl"]
+    _ran(_config(tmp_path, *served, "teacher.urls=[http://gpu-t1:9000]"))
+    _check(_config(tmp_path, *served, "teacher.urls=[http://gpu-t7:9000,http://gpu-t8:9000]",
+                   "teacher.in_flight=8", "teacher.timeout_s=300"))
+    with pytest.raises(ConfigError, match=r"holds another run \(teacher.quantization was "
+                                          r"'none', now 'fp8'\)"):
+        _check(_config(tmp_path, *served, "teacher.urls=[http://gpu-t1:9000]",
+                       "teacher.quantization=fp8"))
