@@ -110,7 +110,9 @@ def figures(name: str, records: list[dict]) -> dict:
     return {"bench": "gpu_served_teacher", "run": name, "steps": len(records),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in later),
             "teacher_wait_share": statistics.median(wait),
-            "answer_bytes_per_target_token": answer_bytes_per_token(kind),
+            # an in-process teacher's scores never cross a wire
+            "answer_bytes_per_target_token": answer_bytes_per_token(kind)
+            if name.startswith("served") else None,
             "step_s": statistics.median(r["step_s"] for r in later)}
 
 
