@@ -78,7 +78,8 @@ def teacher_lines(config: Config, python: str) -> list[str]:
     """Batch-script lines that split the nodes, start the teacher servers in the background
     (`$teachers`, the srun's pid) and set TRAINER_NODES and TEACHER_URLS."""
     nodes, replicas = config.cluster.teacher_nodes, replicas_per_node(config)
-    srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    # --ntasks: a step inherits the job's task count, one per node of the whole job.
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
     if config.cluster.slurm.cpus_per_node:
         srun.append(f"--cpus-per-task={config.cluster.slurm.cpus_per_node}")
     launcher = [str(TEACHER_LAUNCHER), str(replicas), str(server_tp_size(config))]

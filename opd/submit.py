@@ -83,7 +83,10 @@ def sbatch_script(config, recipe: Path, cluster: Path, overrides: list[str], *,
     if served:
         layout = teacher_lines(config, slurm.python or python)  # sets TRAINER_NODES, TEACHER_URLS
         first_node = 'MASTER_ADDR=${TRAINER_NODES%%,*}'
-        srun_line = shlex.join(srun) + ' --nodelist="$TRAINER_NODES" \\'
+        # --ntasks: a step inherits the job's task count (every node's), which is more than the
+        # trainer's nodes alone would take.
+        srun_line = shlex.join([*srun, f"--ntasks={config.cluster.nodes}"]) + \
+            ' --nodelist="$TRAINER_NODES" \\'
         train_line = "    " + shlex.join(train) + ' "teacher.urls=$TEACHER_URLS" || status=$?'
         ending = ["# The trainer is done (or failed): srun passes TERM on to the teacher servers.",
                   'kill "$teachers" 2>/dev/null || true', 'wait "$teachers" || true',

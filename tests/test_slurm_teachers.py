@@ -77,9 +77,9 @@ def test_the_job_serves_the_teacher_on_its_first_node_and_hands_the_urls_to_the_
     # The script ended without waiting out the teacher step: it killed it.
     teacher_step, train_step = [shlex.split(Path(f"{log}.{step}").read_text())
                                 for step in ("teacher", "trainer")]
-    assert teacher_step[:4] == ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=96",
-                                "--nodelist=gpu-t1"]
-    launcher = teacher_step[4:]
+    assert teacher_step[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
+                                "--cpus-per-task=96", "--nodelist=gpu-t1"]
+    launcher = teacher_step[5:]
     assert launcher[:5] == [str(REPO / "launch" / "slurm" / "teachers.sh"), "2", "4", str(port),
                             "python"]  # 2 servers of tp 4 on the 8-GPU node, ports port, +1
     server = launcher[5:]
@@ -89,8 +89,8 @@ def test_the_job_serves_the_teacher_on_its_first_node_and_hands_the_urls_to_the_
     assert server[server.index("--max-model-len") + 1] == str(config.rollout.max_total_len + 1)
     assert server[server.index("--host") + 1] == "0.0.0.0"
 
-    assert train_step[:5] == ["--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                              "--cpus-per-task=96", "--nodelist=gpu-s1,gpu-s2,gpu-s3"]
+    assert train_step[:6] == ["--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                              "--cpus-per-task=96", "--ntasks=3", "--nodelist=gpu-s1,gpu-s2,gpu-s3"]
     assert train_step[-1] == f"teacher.urls={urls}"
     # The trainer's own command line: the recipe, the cluster file and the URLs, last.
     recipe_at = train_step.index("--recipe")
@@ -104,8 +104,12 @@ def test_teachers_sh_gives_each_server_its_own_gpus_and_port(tmp_path):
     """launch/slurm/teachers.sh for real; its interpreter records what each server would get."""
     record = tmp_path / "servers"
     fake_python = tmp_path / "python"
+    # Each records itself, then runs until both have (servers run until stopped; the first to
+    # end stops the node's others).
     fake_python.write_text('#!/usr/bin/env bash\n'
-                           'echo "$CUDA_VISIBLE_DEVICES $*" >> "$RECORD"\n')
+                           'echo "$CUDA_VISIBLE_DEVICES $*" >> "$RECORD"\n'
+                           'for _ in $(seq 100); do (( $(wc -l < "$RECORD") == 2 )) && break; '
+                           'sleep 0.1; done\n')
     fake_python.chmod(0o755)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "RECORD": str(record)}
     run = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "teachers.sh"), "2", "4",
