@@ -4,13 +4,18 @@ first ones and hands their URLs to the trainer on the others.
 
 The batch script runs here under bash with the real `scontrol show hostnames` (it parses a node
 list without a controller) and an `srun` on PATH that records each step's nodes and command
-line instead of starting it: the local Slurm (.ci/slurm.sh) has one node, and a node split needs
-two. launch/slurm/teachers.sh runs for real, with an interpreter that records its servers.
+line: the 4-node GPU layout of the shipped cluster file. launch/slurm/teachers.sh runs for real,
+with an interpreter that records its servers. And a real job on the two-node Slurm of
+.ci/slurm_two_nodes.sh (marked vllm: the server needs vLLM, `.venv-vllm/bin/python -m pytest -m
+vllm`) serves the tiny teacher on one node and trains a 2-rank ZeRO-3 student on the other.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,6 +32,7 @@ SUBMIT = REPO / "launch" / "submit.py"
 RECIPE = REPO / "recipes" / "qwen3_32b_to_8b_served.yaml"
 CLUSTER = REPO / "configs" / "clusters" / "qwen3-served-4x8xh100.yaml"
 
+TWO_NODES = Path(os.environ.get("OPD_SLURM_TWO_NODES", "/var/lib/opd-slurm-2nodes")) / "slurm.conf"
 needs_scontrol = pytest.mark.skipif(shutil.which("scontrol") is None,
                                     reason="Slurm's scontrol is not installed (.ci/slurm.sh)")
 
@@ -170,3 +176,43 @@ def test_a_requeued_job_whose_teacher_moved_to_other_nodes_resumes(tmp_path):
                                           r"'none', now 'fp8'\)"):
         _check(_config(tmp_path, *served, "teacher.urls=[http://gpu-t1:9000]",
                        "teacher.quantization=fp8"))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (bash .ci/vllm.sh; .venv-vllm/bin/python -m "
+                           "pytest -m vllm)")
+@pytest.mark.skipif(not TWO_NODES.is_file() or shutil.which("sbatch") is None,
+                    reason="no two-node Slurm: bash .ci/slurm.sh && bash .ci/slurm_two_nodes.sh")
+def test_a_real_two_node_job_serves_the_teacher_on_one_node_and_trains_on_the_other(tmp_path):
+    from dist_scripts.world import VLLM_STUDENT_SHAPE, build_world
+
+    recipe = build_world(tmp_path / "world", student_shape=VLLM_STUDENT_SHAPE,
+                         teacher_shape=VLLM_STUDENT_SHAPE)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"cluster": {
+        "name": "two-nodes", "device": "cpu", "dist_backend": "gloo", "threads_per_rank": 1,
+        "nodes": 1, "procs_per_node": 2, "teacher_nodes": 1,
+        "slurm": {"time": "00:20:00", "requeue": False, "python": sys.executable,
+                  "env": {"VLLM_CPU_KVCACHE_SPACE": 1}}}}))
+    env = {**os.environ, "SLURM_CONF": str(TWO_NODES), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, str(SUBMIT), "--cluster", str(cluster), "--recipe", str(recipe), "--wait",
+         "teacher.engine=served", "loss.direction=sampled_reverse_kl",
+         "teacher.gpu_memory_utilization=0.3", "train.steps=3", "checkpoint.every=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=env)
+    job = re.search(r" as job (\d+)\.", result.stdout)
+    assert job, result.stdout + result.stderr
+    run_dir = tmp_path / "world" / "run"
+    log = (run_dir / f"slurm-{job.group(1)}.out").read_text()
+    assert result.returncode == 0, result.stderr + log[-6000:]
+    layout = re.search(r"opd: teacher servers \[http://([^:]+):(\d+)\] on (\S+), trainer on (\S+)",
+                       log)
+    assert layout, log[-6000:]
+    assert layout.group(1) == layout.group(3) != layout.group(4)  # its own node
+    assert f"rendezvous {layout.group(4)}:" in log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["teacher_tokens"] > 0 and r["teacher_collect_s"] > 0 for r in records)
+    assert (run_dir / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "step-00000003"
