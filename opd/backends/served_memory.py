@@ -19,15 +19,9 @@ dtype's: 2 or 4):
 from __future__ import annotations
 
 from opd.backends.memory import ModelShape
+from opd.backends.memory import _size as size
 
 PREFILL_CHUNK = 8192
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
-    return f"{num_bytes:.0f} B"
 
 
 def served_teacher_memory(config, teacher: ModelShape, trainer_ranks: int) -> list[str]:
@@ -57,13 +51,13 @@ def served_teacher_memory(config, teacher: ModelShape, trainer_ranks: int) -> li
     return [
         f"teacher: {teacher.parameters / 1e6:.1f}M parameters, served: {where}{quantized}"
         f"{experts}; nothing of it on the trainer's ranks",
-        f"  per teacher GPU: weights {_size(weights)} + KV cache {_size(kv_token)} per token, "
-        f"{_size(kv)} for {in_flight} conversations in flight ({trainer_ranks} ranks x "
+        f"  per teacher GPU: weights {size(weights)} + KV cache {size(kv_token)} per token, "
+        f"{size(kv)} for {in_flight} conversations in flight ({trainer_ranks} ranks x "
         f"teacher.in_flight={served.in_flight}) of {config.rollout.max_total_len} tokens + "
-        f"prompt log-probs {_size(logits)} (fp32 logits and log-softmax of a "
+        f"prompt log-probs {size(logits)} (fp32 logits and log-softmax of a "
         f"{PREFILL_CHUNK}-token prefill chunk)",
-        f"  teacher GPU peak: {_size(weights + kv + logits)} of the "
+        f"  teacher GPU peak: {size(weights + kv + logits)} of the "
         f"teacher.gpu_memory_utilization={served.gpu_memory_utilization:g} share vLLM takes "
-        f"(weights + logits alone: {_size(weights + logits)}; vLLM queues conversations "
+        f"(weights + logits alone: {size(weights + logits)}; vLLM queues conversations "
         "beyond its KV cache)",
     ]
