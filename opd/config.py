@@ -252,7 +252,8 @@ class TeacherConfig:
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str = ""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    # tensor_parallel: ranks per teacher copy; 0: the ranks of one node (each node its own copy)
+    # tensor_parallel: ranks per teacher copy; served: GPUs per teacher server in a Slurm job with
+    # cluster.teacher_nodes; 0: the ranks (GPUs) of one node, each node its own copy
     tp_size: int = at_least(0, 0)
     # served: the teacher servers (python -m opd.teachers.server), one URL per replica, e.g.
     # [http://127.0.0.1:8800]; each rank sends its conversations round-robin over them.
@@ -261,6 +262,10 @@ class TeacherConfig:
     retries: int = at_least(0, 3)  # served: further tries of a request (the next replica each)
     startup_timeout_s: float = positive(900.0)  # served: how long to wait for /health
     in_flight: int = at_least(1, 4)  # served: requests in flight per replica and rank
+    # served, started by the Slurm job (cluster.teacher_nodes): the servers' engine options.
+    quantization: Literal["none", "fp8"] = "none"  # fp8: vLLM quantizes the weights at load
+    expert_parallel: bool = False  # a MoE teacher's experts split over its GPUs, not sliced
+    gpu_memory_utilization: float = rule(lambda v: 0 < v <= 1, "in (0, 1]", 0.9)
 
 
 @dataclass
@@ -325,6 +330,10 @@ class ClusterConfig:
     collective_timeout_s: float = positive(300.0)
     nodes: int = at_least(1, 1)  # the layout a launcher will start (for --dry-run before launch)
     procs_per_node: int = at_least(1, 1)
+    # teacher.engine=served through launch/submit.py: nodes of the job, beside `nodes`, that run
+    # the teacher servers (nodes x GPUs / teacher.tp_size replicas); 0: the servers run elsewhere
+    # and teacher.urls names them.
+    teacher_nodes: int = at_least(0, 0)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
@@ -669,3 +678,10 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
     if config.teacher.engine != "zero_inference" and config.teacher.offload_param != "none":
         raise fail("teacher.offload_param", "teacher.offload_param only applies to "
                    "teacher.engine=zero_inference.")
+    served_only = [key for key, unset in (
+        ("cluster.teacher_nodes", config.cluster.teacher_nodes == 0),
+        ("teacher.quantization", config.teacher.quantization == "none"),
+        ("teacher.expert_parallel", not config.teacher.expert_parallel)) if not unset]
+    if served_only and config.teacher.engine != "served":
+        raise fail(served_only[0], f"{served_only[0]} configures teacher servers and needs "
+                   f"teacher.engine=served, not {config.teacher.engine}.")

@@ -90,7 +90,7 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     check_engines(config, world)
     rows: dict[str, dict] = {}
     if config.eval.before:
-        if config.eval.teacher and config.model.teacher:
+        if evaluates_teacher(config, world):
             rows["teacher"] = evaluate(config, plugins, inputs, world, config.model.teacher,
                                        "model.teacher")
         rows["before"] = evaluate(config, plugins, inputs, world, config.model.student,
@@ -107,6 +107,22 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
         print(results_table(rows), flush=True)
     barrier()
     return rows
+
+
+def evaluates_teacher(config: Config, world: World) -> bool:
+    """Whether the teacher gets its row of the results table. A served teacher's does not: its
+    weights are on its servers because they do not fit beside the student, and the servers
+    score, they do not generate (one sentence says so)."""
+    if not (config.eval.teacher and config.model.teacher):
+        return False
+    if teacher_class(config.teacher.engine).in_trainer:
+        return True
+    if world.is_main:
+        print(f"eval: no teacher row: teacher.engine={config.teacher.engine} keeps the teacher "
+              "on its servers, which score and do not generate; evaluate it apart with "
+              f"`python -m opd.eval --model {config.model.teacher} --recipe RECIPE` where it "
+              "fits (eval.teacher=false silences this).", file=sys.stderr, flush=True)
+    return False
 
 
 def check_engines(config: Config, world: World) -> None:
@@ -157,8 +173,11 @@ def dry_run(config: Config, plugins: Plugins) -> str:
     teacher_layout = {"zero_inference": f"ZeRO-3 partitioned over {world} ranks",
                       "tensor_parallel": f"tensor parallel, tp_size {tp_size} "
                                          f"({max(1, world // tp_size)} copies)",
-                      "replicated": "one full copy per rank"}.get(config.teacher.engine,
-                                                                   config.teacher.engine)
+                      "replicated": "one full copy per rank",
+                      "served": f"its own servers on {config.cluster.teacher_nodes} further "
+                                "node(s) of the job" if config.cluster.teacher_nodes else
+                                "its own servers at teacher.urls"}.get(config.teacher.engine,
+                                                                       config.teacher.engine)
     return "\n".join([
         to_yaml(config).rstrip(),
         "",

@@ -35,7 +35,11 @@ from opd.dist import World, all_gather_objects, broadcast_object
 MAY_DIFFER = ("train.steps", "logging.", "eval.", "cluster.", "checkpoint.every",
               "checkpoint.keep", "checkpoint.resume", "student.offload_optimizer",
               "student.offload_param", "student.gradient_checkpointing", "teacher.offload_param",
-              "teacher.nvme_path", "tools.num_workers", "rollout.vllm_schedule")
+              "teacher.nvme_path", "tools.num_workers", "rollout.vllm_schedule",
+              # where a served teacher runs and how it is reached: a requeued Slurm job's
+              # teacher nodes, so its URLs, may differ from the first start's
+              "teacher.urls", "teacher.timeout_s", "teacher.retries", "teacher.startup_timeout_s",
+              "teacher.in_flight", "teacher.gpu_memory_utilization")
 WANDB_PROBE_S = 5.0
 
 

@@ -9,6 +9,11 @@ The job starts one launcher per node with `srun` (launch/slurm/node.sh: torchrun
 rendezvous on the first node); every node runs the same `launch/train.py` with the same
 arguments. Slurm sends USR1 `cluster.slurm.signal_seconds` before the time limit: the ranks
 checkpoint at the next step boundary and requeue the job, which resumes from that checkpoint.
+
+A served teacher with `cluster.teacher_nodes: T` gets the job's first T nodes
+(opd.slurm_teachers): each runs `gpus_per_node / teacher.tp_size` teacher servers
+(launch/slurm/teachers.sh), the trainer runs on the other `cluster.nodes` with their URLs as
+`teacher.urls`, and waits for them to answer /health (opd.teachers.served).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 from opd.config import load_config
 from opd.errors import ConfigError, OPDError
+from opd.slurm_teachers import check_teacher_nodes, teacher_lines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +38,8 @@ SBATCH_FILE = "submit.sbatch"
 def _directives(config, workdir: Path) -> list[str]:
     slurm = config.cluster.slurm
     run_dir = workdir / config.run_dir
-    options = [f"--job-name={config.name}", f"--nodes={config.cluster.nodes}",
+    nodes = config.cluster.nodes + config.cluster.teacher_nodes
+    options = [f"--job-name={config.name}", f"--nodes={nodes}",
                "--ntasks-per-node=1", f"--time={slurm.time}",
                f"--output={run_dir / 'slurm-%j.out'}", "--open-mode=append",  # one log per job id
                f"--chdir={workdir}", "--requeue" if slurm.requeue else "--no-requeue"]
@@ -72,6 +79,22 @@ def sbatch_script(config, recipe: Path, cluster: Path, overrides: list[str], *,
             "--kill-on-bad-exit=1"]
     if slurm.cpus_per_node:  # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05)
         srun.append(f"--cpus-per-task={slurm.cpus_per_node}")
+    served = config.cluster.teacher_nodes > 0
+    if served:
+        layout = teacher_lines(config, slurm.python or python)  # sets TRAINER_NODES, TEACHER_URLS
+        first_node = 'MASTER_ADDR=${TRAINER_NODES%%,*}'
+        # --ntasks: a step inherits the job's task count (every node's), which is more than the
+        # trainer's nodes alone would take.
+        srun_line = shlex.join([*srun, f"--ntasks={config.cluster.nodes}"]) + \
+            ' --nodelist="$TRAINER_NODES" \\'
+        train_line = "    " + shlex.join(train) + ' "teacher.urls=$TEACHER_URLS" || status=$?'
+        ending = ["# The trainer is done (or failed): srun passes TERM on to the teacher servers.",
+                  'kill "$teachers" 2>/dev/null || true', 'wait "$teachers" || true',
+                  'exit "$status"']
+    else:
+        layout, ending = [], []
+        first_node = 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+        srun_line, train_line = shlex.join(srun) + " \\", "    " + shlex.join(train)
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Written by launch/submit.py for run '{config.name}'; submit it again with sbatch.",
@@ -79,15 +102,18 @@ def sbatch_script(config, recipe: Path, cluster: Path, overrides: list[str], *,
         "set -eo pipefail",  # not -u: module and venv scripts may read unset variables
         *slurm.setup,
         *_exports(slurm.env),
-        "# Rendezvous on the first node; the port follows the job id, so concurrent jobs sharing",
-        "# a node differ and a requeued job keeps its own.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        *layout,
+        "# Rendezvous on the trainer's first node; the port follows the job id, so concurrent jobs",
+        "# sharing a node differ and a requeued job keeps its own.",
+        first_node,
         "MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))  # below the ephemeral range",
         "export MASTER_ADDR MASTER_PORT",
         'echo "opd: job $SLURM_JOB_ID start $((${SLURM_RESTART_COUNT:-0} + 1)) on '
         '$SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
-        shlex.join(srun) + " \\",
-        "    " + shlex.join(train),
+        *(["status=0"] if served else []),
+        srun_line,
+        train_line,
+        *ending,
         "",
     ])
 
@@ -106,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path.cwd()
     try:
         config = load_config(recipe, cluster, args.overrides)
+        check_teacher_nodes(config)
         if config.cluster.slurm.requeue and config.checkpoint.resume == "never":
             raise ConfigError("checkpoint.resume=never would restart a requeued job from step 0; "
                               "use auto, or set cluster.slurm.requeue: false.")

@@ -205,3 +205,25 @@ def test_a_nan_teacher_never_reaches_the_optimizer_or_a_checkpoint(world_dir, tm
     assert [r["skipped"] for r in records] == [True, True]
     assert records[-1]["nonfinite_steps"] == 2
     assert not (run_dir / "final").exists()
+
+
+def test_a_served_teacher_is_not_loaded_for_its_eval_row(world_dir, tmp_path):
+    """eval.teacher with teacher.engine=served: one sentence instead of loading the teacher on
+    rank 0 (here a directory with its config.json alone, as a teacher too large to load would
+    be). The student's row is evaluated; then the step waits for a server that never comes up."""
+    import shutil
+
+    from conftest import free_port
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    shutil.copy(world_dir / "teacher" / "config.json", teacher / "config.json")
+    url = f"http://127.0.0.1:{free_port()}"
+    result = train(world_dir, "teacher.engine=served", f"teacher.urls=[{url}]",
+                   "teacher.startup_timeout_s=1", "loss.direction=sampled_reverse_kl",
+                   "eval.before=true", "eval.teacher=true", f"model.teacher={teacher}",
+                   f"model.tokenizer={world_dir / 'tokenizer'}",
+                   f"logging.run_dir={tmp_path / 'run'}")
+    assert "eval: no teacher row: teacher.engine=served keeps the teacher on its servers" \
+        in result.stderr
+    assert f"teacher.urls: {url} did not answer GET /health" in one_sentence(result)

@@ -17,7 +17,8 @@ compute dtype's bytes (bf16 2, fp32 4), W the ranks and T = train.micro_batch_to
                  (B = rollout.batch_size, S = rollout.max_total_len)
   teacher        N_t x c_t / W (replicated: N_t x c_t; tensor_parallel: (N_t - E_t) x c_t / W +
                  E_t x c_t, AutoTP keeps the input embedding E_t = V x H whole on every rank)
-                 + largest layer x c_t + T x layer_bytes_t (no grad: one layer at a time)
+                 + largest layer x c_t + T x layer_bytes_t (no grad: one layer at a time);
+                 served: on the teacher's own GPUs (opd.backends.served_memory)
 """
 
 from __future__ import annotations
@@ -178,6 +179,9 @@ def memory_estimate(config, world_size: int, device: str, tp_size: int | None = 
                      f"loss.distill_weight={config.loss.distill_weight:g})")
     elif teacher is None:
         lines.append(_missing("teacher", config.model.teacher))
+    elif config.teacher.engine == "served":  # on its own GPUs: the trainer's peak is the student's
+        from opd.backends.served_memory import served_teacher_memory
+        lines += served_teacher_memory(config, teacher, world_size)
     else:
         n, b = teacher.parameters, compute_bytes(config.teacher.precision)
         engine = config.teacher.engine

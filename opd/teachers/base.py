@@ -100,6 +100,9 @@ class TeacherScores:
 
 class Teacher(ABC):
     per_conversation: bool = False  # scores at collect time instead of per micro-batch
+    # Its weights live in the training processes; a served teacher's do not, so `eval.teacher`
+    # does not load them there for its row of the results table (opd.pipeline).
+    in_trainer: bool = True
 
     @classmethod
     @abstractmethod

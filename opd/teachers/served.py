@@ -73,6 +73,7 @@ def _describe(error: BaseException, timeout_s: float) -> str:
 
 class ServedTeacher(Teacher):
     per_conversation = True
+    in_trainer = False
     signals = ("topk", "sampled")
 
     @classmethod

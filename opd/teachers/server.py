@@ -53,7 +53,8 @@ class ScoringEngine:
     """The vLLM engine and what `/health` reports about it."""
 
     def __init__(self, model: str, tokenizer: str, *, max_model_len: int, max_top_k: int,
-                 dtype: str, tensor_parallel_size: int, gpu_memory_utilization: float):
+                 dtype: str, tensor_parallel_size: int, gpu_memory_utilization: float,
+                 quantization: str | None = None, enable_expert_parallel: bool = False):
         # One process: a killed server leaves no engine core behind.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig, AutoTokenizer
@@ -69,7 +70,8 @@ class ScoringEngine:
                        max_model_len=max_model_len, max_logprobs=max_top_k,
                        enable_prefix_caching=False, enforce_eager=True,
                        tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       gpu_memory_utilization=gpu_memory_utilization,
+                       quantization=quantization, enable_expert_parallel=enable_expert_parallel)
 
     def check(self, request: ScoreRequest) -> None:
         """Refuse, in one sentence, what the engine would fail on."""
@@ -221,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                         help="the share of device memory vLLM takes (of host RAM on CPU)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the weights at load (fp8: half of bf16's bytes)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="a MoE teacher's experts split over the GPUs instead of sliced")
     return parser.parse_args(argv)
 
 
@@ -234,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = ScoringEngine(args.model, tokenizer, max_model_len=args.max_model_len,
                            max_top_k=args.max_top_k, dtype=args.dtype,
                            tensor_parallel_size=args.tensor_parallel_size,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           quantization=args.quantization,
+                           enable_expert_parallel=args.enable_expert_parallel)
     server = ThreadingHTTPServer((args.host, args.port), handler(engine, Batcher(engine)))
     server.daemon_threads = True
     print(f"teacher server: {args.model} on http://{args.host}:{server.server_port}", flush=True)
