@@ -90,11 +90,6 @@ class ServedTeacher(Teacher):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"teacher.urls: {url!r} is not an http:// URL of a teacher "
                                   "server.")
-        if _signal(config) not in cls.signals:
-            raise ConfigError(
-                f"teacher.engine=served returns the {' or '.join(cls.signals)} signal, not the "
-                f"full distribution that loss.direction={config.loss.direction} reads; set "
-                "teacher.signal=topk (forward_kl) or loss.direction=sampled_reverse_kl.")
         if config.loss.temperature != 1.0 and _signal(config) != "distribution":
             raise ConfigError(
                 f"loss.temperature={config.loss.temperature:g} needs the teacher at that "
