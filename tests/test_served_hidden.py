@@ -9,13 +9,27 @@ format and the refusals before any engine run everywhere.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model, free_port
-from test_served_teacher import models, served_config, server, start_server, stop, vllm_installed
+from test_served_teacher import (
+    REPO,
+    _train,
+    models,
+    served_config,
+    server,
+    start_server,
+    stop,
+    vllm_installed,
+)
 from test_teachers import ONE_CPU_RANK, teacher_for, trajectories
 
 from opd.backends import DistillModule, load_causal_lm
@@ -72,10 +86,10 @@ def hidden_server(models, tmp_path_factory):
         stop(process)
 
 
-def _loss_and_grads(student_dir, batch, signal, loss_config: LossConfig, vocab: int):
+def _loss_and_grads(student_dir, batch, teacher_signal, loss_config: LossConfig, vocab: int):
     student = load_causal_lm(str(student_dir), torch.float32, "sdpa", "model.student")
-    with open_head(signal) as teacher_head:
-        head = DistillationHead(signal, teacher_head, batch.target_mask[0], loss_config, vocab)
+    with open_head(teacher_signal) as teacher_head:
+        head = DistillationHead(teacher_signal, teacher_head, batch.target_mask[0], loss_config, vocab)
         loss_sum, _ = DistillModule(student)(input_ids=batch.input_ids,
                                              position_ids=batch.position_ids,
                                              head_loss=head.loss)
@@ -114,13 +128,13 @@ def test_hidden_payload_gives_the_in_process_loss_and_gradients(models, hidden_s
 @vllm_installed
 def test_a_server_without_the_payload_is_refused_in_one_sentence(models, server, hidden_server):
     student, teacher_dir, _ = models
-    for url, signal, message in (
+    for url, kind, message in (
             (server, "distribution", r"serves the sampled and topk payloads, not the "
                                      r"distribution one .*--payload hidden\.$"),
             (hidden_server, "sampled", r"serves the distribution payloads, not the sampled "
                                        r"one .*--payload logprobs\.$")):
         with pytest.raises(ConfigError, match=rf"^teacher.urls: {url} {message}") as error:
-            ServedTeacher.build(served_config(url, student, teacher_dir, signal=signal),
+            ServedTeacher.build(served_config(url, student, teacher_dir, signal=kind),
                                 ONE_CPU_RANK)
         assert "\n" not in str(error.value)
 
@@ -141,3 +155,38 @@ def test_a_head_from_another_model_is_refused(models, hidden_server, compact_tok
     with pytest.raises(VocabularyError, match=rf"^teacher.urls: {hidden_server} {message}"):
         ServedTeacher.build(served_config(hidden_server, student, tmp_path / "teacher",
                                           signal="distribution"), ONE_CPU_RANK)
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_zero3_on_two_ranks_trains_from_the_hidden_payload_as_from_the_in_process_teacher(
+        tmp_path):
+    """A recipe moved from its in-process ZeRO-Inference teacher to a hidden-payload server by
+    the teacher section alone (forward KL over the full vocabulary) takes the same steps."""
+    from dist_scripts.world import VLLM_STUDENT_SHAPE, build_world
+
+    world = tmp_path / "world"
+    recipe = build_world(world, student_shape=VLLM_STUDENT_SHAPE,
+                         teacher_shape=VLLM_STUDENT_SHAPE)
+    port = free_port()
+    started = subprocess.run(
+        ["bash", "launch/teacher_server.sh", "--model", str(world / "teacher"), "--tokenizer",
+         str(world / "tokenizer"), "--port", str(port), "--max-model-len", "512", "--dtype",
+         "float32", "--gpu-memory-utilization", "0.3", "--payload", "hidden"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OPD_TEACHER_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "OPD_TEACHER_LOG": str(tmp_path / "server.log")})
+    assert started.returncode == 0, started.stderr
+    pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
+    try:
+        common = ("train.steps=2", "loss.direction=forward_kl")
+        served = _train(recipe, tmp_path / "served", *common, "teacher.signal=distribution",
+                        *started.stdout.strip().splitlines()[-1].split())
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    in_process = _train(recipe, tmp_path / "in_process", *common)
+    assert [r["step"] for r in served] == [1, 2]
+    for got, expected in zip(served, in_process):
+        assert got["teacher_collect_s"] > 0 and "teacher_collect_s" not in expected
+        for key in ("loss", "grad_norm", "target_tokens"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5), key
