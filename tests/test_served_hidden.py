@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from dataclasses import replace
 
 import numpy as np
@@ -39,7 +40,13 @@ from opd.objective import DistillationHead
 from opd.packing import pack_varlen
 from opd.teachers.base import FullDistribution, SignalRequest, open_head, packed_signal
 from opd.teachers.served import ServedTeacher, wait_for_health
-from opd.teachers.wire import ScoreAnswer, decode_answer, encode_answer
+from opd.teachers.wire import (
+    ScoreAnswer,
+    ScoreRequest,
+    decode_answer,
+    encode_answer,
+    encode_request,
+)
 
 __all__ = ["models", "server"]  # module fixtures shared with test_served_teacher
 
@@ -190,3 +197,33 @@ def test_zero3_on_two_ranks_trains_from_the_hidden_payload_as_from_the_in_proces
         assert got["teacher_collect_s"] > 0 and "teacher_collect_s" not in expected
         for key in ("loss", "grad_norm", "target_tokens"):
             assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_a_bf16_engine_ships_bf16_hidden_states(models, tmp_path):
+    """2H bytes per target token from a bf16 engine: its own values, so nothing is lost on the
+    wire (the trainer's bf16 teacher gives the same states to bf16 rounding)."""
+    student, teacher_dir, vocab = models
+    port = free_port()
+    process = start_server(teacher_dir, port, 1, tmp_path / "server.log", payload="hidden",
+                           dtype="bfloat16")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = wait_for_health(url, timeout_s=600)
+        conversation = trajectories(vocab)[1]
+        positions = np.flatnonzero(conversation.assistant_mask[1:]).astype(np.int32)
+        body = urllib.request.urlopen(urllib.request.Request(f"{url}/score", data=encode_request(
+            ScoreRequest("distribution", 0, [np.array(conversation.input_ids, np.int32)],
+                         [positions])))).read()
+    finally:
+        stop(process)
+    assert len(body) == 16 + 8 + len(positions) * 2 * health.hidden_size
+    answer = decode_answer(body)
+    assert answer.hidden_dtype == "bfloat16"
+    served = torch.from_numpy(answer.hidden_TH.copy()).view(torch.int16).view(torch.bfloat16)
+    model = load_causal_lm(str(teacher_dir), torch.bfloat16, "sdpa", "model.teacher")
+    with torch.no_grad():
+        hidden_LH = model.model(torch.tensor([conversation.input_ids])).last_hidden_state[0]
+    torch.testing.assert_close(served.float(), hidden_LH[positions].float(), rtol=0.02,
+                               atol=0.05)

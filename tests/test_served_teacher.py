@@ -106,11 +106,11 @@ def test_a_server_that_never_comes_up_is_reported_in_one_sentence():
 # -- the real engine -----------------------------------------------------------------------------
 
 def start_server(model: Path, port: int, max_top_k: int, log: Path,
-                 payload: str = "logprobs") -> subprocess.Popen:
+                 payload: str = "logprobs", dtype: str = "float32") -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "opd.teachers.server", "--model", str(model), "--port", str(port),
-         "--max-top-k", str(max_top_k), "--max-model-len", "512", "--dtype", "float32",
+         "--max-top-k", str(max_top_k), "--max-model-len", "512", "--dtype", dtype,
          "--gpu-memory-utilization", "0.3", "--payload", payload],
         cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
