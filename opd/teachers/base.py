@@ -6,8 +6,9 @@ loss's divergence needs (opd.divergences) and `teacher.signal` picks:
     distribution   the teacher's final hidden states plus its output head, opened for the
                    duration of one micro-batch's loss: the loss forms the full teacher
                    distribution chunk by chunk (opd.loss), exact and never [N, V] in memory
+                   (a served teacher sends the hidden states; the trainer holds the head)
     topk           the top-k token ids and log-probs at the loss temperature plus the log of the
-                   mass outside them (opd.loss.TopKTeacher): what served teachers return
+                   mass outside them (opd.loss.TopKTeacher): what logit-serving teachers return
     sampled        the log-prob of each sampled token only: all the sampled-token estimator
                    needs, and the cheapest payload
 

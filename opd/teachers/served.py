@@ -4,10 +4,11 @@
 The trainer's side of the wire (opd.teachers.wire): `build` waits for every replica in
 `teacher.urls` to answer `GET /health` (up to `teacher.startup_timeout_s`) and refuses, in one
 sentence naming the URL, a server whose tokenizer vocabulary or vocabulary size differs from the
-run's, whose context is shorter than `rollout.max_total_len`, or whose largest top-k is below
-`teacher.top_k`. `score_conversations` then sends each conversation as its own request,
-round-robin over the replicas with `teacher.in_flight` requests in flight per replica, and
-`submit` is the same for one conversation (to score it as soon as its rollout ends).
+run's, whose context is shorter than `rollout.max_total_len`, whose largest top-k is below
+`teacher.top_k`, or that does not serve the payload `teacher.signal` asks for.
+`score_conversations` then sends each conversation as its own request, round-robin over the
+replicas with `teacher.in_flight` requests in flight per replica, and `submit` is the same for
+one conversation (to score it as soon as its rollout ends).
 
 Faults: a request that fails (refused connection, no answer within `teacher.timeout_s`, a
 server error, a short or malformed answer) is retried on the next replica after a backoff, up
@@ -16,8 +17,11 @@ the URL; the checkpoints written so far stay. An answer is used only if it holds
 row per target token; `packed_signal` refuses a conversation without scores.
 
 Payloads: the sampled tokens' log-probs and the top-k ids and log-probs with the rest's mass,
-both at temperature 1 (the engine's prompt log-probs are the raw distribution). The teacher's
-hidden states (`teacher.signal=distribution`) are not served yet.
+both at temperature 1 (the engine's prompt log-probs are the raw distribution); and for
+`teacher.signal=distribution` the teacher's final hidden states (a server started with
+`--payload hidden`), to which the trainer applies the teacher's output head, read from
+`model.teacher` alone and checked against the server's (shape and hash), inside the fused loss:
+the exact full distribution at any `loss.temperature`, as the in-process teacher gives it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from opd import divergences
 from opd.config import Config
 from opd.dist import World
 from opd.errors import ConfigError, TeacherServerError, VocabularyError
-from opd.teachers.base import SignalRequest, Teacher, TeacherScores
+from opd.teachers.base import HeadWeights, SignalRequest, Teacher, TeacherScores
 from opd.teachers.wire import (
     Health,
     ScoreAnswer,
@@ -74,7 +78,7 @@ def _describe(error: BaseException, timeout_s: float) -> str:
 class ServedTeacher(Teacher):
     per_conversation = True
     in_trainer = False
-    signals = ("topk", "sampled")
+    signals = ("topk", "sampled", "distribution")
 
     @classmethod
     def check(cls, config: Config, world: World) -> None:
@@ -87,16 +91,12 @@ class ServedTeacher(Teacher):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"teacher.urls: {url!r} is not an http:// URL of a teacher "
                                   "server.")
-        if _signal(config) not in cls.signals:
-            raise ConfigError(
-                f"teacher.engine=served returns the {' or '.join(cls.signals)} signal, not the "
-                f"full distribution that loss.direction={config.loss.direction} reads; set "
-                "teacher.signal=topk (forward_kl) or loss.direction=sampled_reverse_kl.")
-        if config.loss.temperature != 1.0:
+        if config.loss.temperature != 1.0 and _signal(config) != "distribution":
             raise ConfigError(
                 f"loss.temperature={config.loss.temperature:g} needs the teacher at that "
                 "temperature, and a served teacher's log-probs are its raw distribution "
-                "(temperature 1); set loss.temperature=1 or use an in-process teacher.")
+                "(temperature 1); set loss.temperature=1, teacher.signal=distribution (the "
+                "trainer applies the head) or use an in-process teacher.")
 
     @classmethod
     def build(cls, config: Config, world: World) -> Teacher:
@@ -107,10 +107,17 @@ class ServedTeacher(Teacher):
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
         vocab_size = check_vocabulary(config.model, tokenizer)
         expected = vocabulary_hash(tokenizer)
-        teacher = config.teacher
-        top_k = min(teacher.top_k, vocab_size) if _signal(config) == "topk" else 0
+        teacher, signal = config.teacher, _signal(config)
+        top_k = min(teacher.top_k, vocab_size) if signal == "topk" else 0
+        head = _trainer_head(config, world) if signal == "distribution" else None
         for url in teacher.urls:
             health = wait_for_health(url.rstrip("/"), teacher.startup_timeout_s)
+            if signal not in health.payloads:
+                raise ConfigError(
+                    f"teacher.urls: {url} serves the {' and '.join(health.payloads)} payloads, "
+                    f"not the {signal} one teacher.signal={teacher.signal} with "
+                    f"loss.direction={config.loss.direction} needs; restart it with --payload "
+                    f"{'hidden' if signal == 'distribution' else 'logprobs'}.")
             if health.tokenizer_sha256 != expected:
                 raise VocabularyError(
                     f"teacher.urls: {url} serves {health.model} with a tokenizer whose "
@@ -132,11 +139,16 @@ class ServedTeacher(Teacher):
                 raise ConfigError(
                     f"teacher.urls: {url} answers a top-k of at most {health.max_top_k}, fewer "
                     f"than teacher.top_k={top_k}; restart it with --max-top-k {top_k}.")
+            if head is not None:
+                _check_head(url, health, *head, config.model.teacher)
         return cls([url.rstrip("/") for url in teacher.urls], timeout_s=teacher.timeout_s,
-                   retries=teacher.retries, in_flight=teacher.in_flight)
+                   retries=teacher.retries, in_flight=teacher.in_flight,
+                   head=None if head is None else head[0])
 
-    def __init__(self, urls: list[str], *, timeout_s: float, retries: int, in_flight: int):
+    def __init__(self, urls: list[str], *, timeout_s: float, retries: int, in_flight: int,
+                 head: HeadWeights | None = None):
         self.urls, self.timeout_s, self.retries = urls, timeout_s, retries
+        self.head_weights = head  # the distribution payload's output head, on the trainer
         self.pool = ThreadPoolExecutor(max_workers=in_flight * len(urls),
                                        thread_name_prefix="teacher")
         self.turns = itertools.count()  # which replica the next conversation goes to first
@@ -191,7 +203,7 @@ class ServedTeacher(Teacher):
             else:
                 problem = _mismatch(answer, request, targets)
                 if problem is None:
-                    return _scores(answer)
+                    return self._scores(answer)
                 cause = problem
         raise TeacherServerError(
             f"teacher.urls: {url} failed the last of {self.retries + 1} tries of a scoring "
@@ -200,9 +212,20 @@ class ServedTeacher(Teacher):
 
     @contextmanager
     def head(self):
-        raise ConfigError("teacher.engine=served keeps the teacher's output head on the server; "
-                          "teacher.signal=distribution is not served yet.")
-        yield  # a generator, for contextmanager
+        if self.head_weights is None:
+            raise ConfigError("teacher.engine=served reads the teacher's output head only for "
+                              "teacher.signal=distribution.")
+        yield self.head_weights
+
+    def _scores(self, answer: ScoreAnswer) -> TeacherScores:
+        if answer.kind != "distribution":
+            return _scores(answer)
+        assert answer.hidden_TH is not None and self.head_weights is not None
+        hidden = torch.from_numpy(answer.hidden_TH.copy())
+        if answer.hidden_dtype == "bfloat16":
+            hidden = hidden.view(torch.int16).view(torch.bfloat16)
+        # Kept in the head's precision, as the in-process teacher's hidden states are.
+        return TeacherScores(hidden_TH=hidden.to(self.head_weights[0].dtype))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -212,9 +235,36 @@ def _mismatch(answer: ScoreAnswer, request: SignalRequest, targets: int) -> str 
     """Why an answer does not fit its request (a partial payload never trains), or None."""
     if answer.kind != request.kind or (answer.kind == "topk" and answer.top_k != request.top_k):
         return f"a {answer.kind} answer with top_k={answer.top_k} to a {request.kind} request"
-    if len(answer.logprobs_T) != targets:
-        return f"an answer for {len(answer.logprobs_T)} target tokens, not {targets}"
+    if answer.targets != targets:
+        return f"an answer for {answer.targets} target tokens, not {targets}"
     return None
+
+
+def _trainer_head(config: Config, world: World) -> tuple[HeadWeights, str]:
+    """The teacher's output head from `model.teacher`, on this rank's device in the teacher's
+    precision, and the hash of the head as stored."""
+    from opd.backends import resolve_precision
+    from opd.teachers.output_head import head_hash, load_output_head
+
+    weight, bias = load_output_head(config.model.teacher, "model.teacher")
+    digest = head_hash(weight)
+    dtype = resolve_precision(config.teacher.precision, "auto", world.device).dtype
+    return (weight.to(world.device, dtype),
+            None if bias is None else bias.to(world.device, dtype)), digest
+
+
+def _check_head(url: str, health: Health, head: HeadWeights, digest: str, path: str) -> None:
+    """Refuse a server whose hidden states this head does not belong to."""
+    rows, columns = head[0].shape
+    if (rows, columns) != (health.vocab_size, health.hidden_size):
+        raise VocabularyError(
+            f"teacher.urls: {url} serves hidden states of width {health.hidden_size} over "
+            f"{health.vocab_size} tokens, and model.teacher={path} has an output head of shape "
+            f"[{rows}, {columns}]; point model.teacher at the model the server serves.")
+    if digest != health.head_sha256:
+        raise VocabularyError(
+            f"teacher.urls: {url} serves {health.model}, whose output head differs from "
+            f"model.teacher={path}'s; point model.teacher at the model the server serves.")
 
 
 def _scores(answer: ScoreAnswer) -> TeacherScores:

@@ -1,16 +1,19 @@
 """A teacher server: one vLLM engine that scores finished conversations over HTTP.
 
     python -m opd.teachers.server --model DIR --port 8800 [--max-top-k 64] [--host 0.0.0.0]
+                                  [--payload logprobs|hidden]
 
 Started next to the trainer (launch/teacher_server.sh) or on its own GPUs or nodes; the trainer
 reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served). It answers
 
     GET  /health   a small JSON object: the vocabulary size, a hash of the tokenizer's
-                   vocabulary, the longest conversation and the largest top-k it scores
+                   vocabulary, the longest conversation and the largest top-k it scores,
+                   the payloads it serves and its head's shape and hash
                    (opd.teachers.wire.Health); it listens only once the engine is ready
     POST /score    a binary request of one or more conversations (token ids and target
                    positions) -> a binary answer: each target token's log-prob and, for topk,
-                   the top-k ids and log-probs and the log of the rest's mass
+                   the top-k ids and log-probs and the log of the rest's mass; or, with
+                   `--payload hidden`, the final hidden states where each target is predicted
                    (opd.teachers.wire)
 
 vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=k)`: the log-prob of
@@ -19,6 +22,13 @@ log-softmax (vLLM applies no sampling processor to prompt tokens, whatever `logp
 a served teacher answers at temperature 1 only, and the trainer refuses another
 `loss.temperature`. Requests that arrive together are scored in one `generate` call (one
 engine thread; HTTP threads only parse and wait).
+
+`--payload hidden` starts vLLM's pooling runner instead (one engine per process, so one payload
+family per server): `encode` with `token_embed` pooling over every token and no activation
+returns the decoder's output after the final norm, which the trainer turns into the exact full
+distribution with the teacher's output head (opd.teachers.output_head) inside its fused loss.
+They travel in the engine's precision: bfloat16 from a bf16 engine (vLLM hands them back as
+float32, but every value is a bf16 one, so nothing is lost), float32 otherwise.
 """
 
 from __future__ import annotations
@@ -49,32 +59,59 @@ class RequestError(ValueError):
     """A request this server cannot score (answered 400 with the sentence)."""
 
 
+PAYLOADS = {"logprobs": ["sampled", "topk"], "hidden": ["distribution"]}  # --payload: kinds
+
+
 class ScoringEngine:
     """The vLLM engine and what `/health` reports about it."""
 
-    def __init__(self, model: str, tokenizer: str, *, max_model_len: int, max_top_k: int,
-                 dtype: str, tensor_parallel_size: int, gpu_memory_utilization: float,
-                 quantization: str | None = None, enable_expert_parallel: bool = False):
+    def __init__(self, model: str, tokenizer: str, *, payload: str, max_model_len: int,
+                 max_top_k: int, dtype: str, tensor_parallel_size: int,
+                 gpu_memory_utilization: float, quantization: str | None = None,
+                 enable_expert_parallel: bool = False):
         # One process: a killed server leaves no engine core behind.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
 
-        vocab_size = int(AutoConfig.from_pretrained(model).get_text_config().vocab_size)
-        self.health = Health(vocab_size=vocab_size,
+        text_config = AutoConfig.from_pretrained(model).get_text_config()
+        head_sha256, self.hidden_dtype = "", "float32"
+        if payload == "hidden":
+            from opd.teachers.output_head import head_hash, load_output_head
+
+            head_sha256 = head_hash(load_output_head(model, "--model")[0])
+        self.health = Health(vocab_size=int(text_config.vocab_size),
                              tokenizer_sha256=vocabulary_hash(AutoTokenizer.from_pretrained(
                                  tokenizer, local_files_only=True)),
-                             max_model_len=max_model_len, max_top_k=max_top_k, model=model)
-        # The prefix cache is skipped for prompt log-probs anyway (vLLM's docs).
-        self.llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, seed=0,
-                       max_model_len=max_model_len, max_logprobs=max_top_k,
-                       enable_prefix_caching=False, enforce_eager=True,
-                       tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization,
-                       quantization=quantization, enable_expert_parallel=enable_expert_parallel)
+                             max_model_len=max_model_len, max_top_k=max_top_k, model=model,
+                             payloads=PAYLOADS[payload],
+                             hidden_size=int(text_config.hidden_size), head_sha256=head_sha256)
+        common = dict(model=model, dtype=dtype, seed=0, max_model_len=max_model_len,
+                      enable_prefix_caching=False, enforce_eager=True,
+                      tensor_parallel_size=tensor_parallel_size,
+                      gpu_memory_utilization=gpu_memory_utilization,
+                      quantization=quantization, enable_expert_parallel=enable_expert_parallel)
+        if payload == "hidden":
+            from vllm.config import PoolerConfig
+
+            # Every token's final hidden state, as the decoder leaves it (no normalisation);
+            # the pooling runner needs a tokenizer, though it is given token ids only.
+            self.llm = LLM(runner="pooling", tokenizer=tokenizer, **common,
+                           pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL",
+                                                      use_activation=False))
+            import torch
+
+            self.hidden_dtype = "bfloat16" if self.llm.llm_engine.model_config.dtype \
+                == torch.bfloat16 else "float32"
+        else:
+            # The prefix cache is skipped for prompt log-probs anyway (vLLM's docs).
+            self.llm = LLM(skip_tokenizer_init=True, max_logprobs=max_top_k, **common)
 
     def check(self, request: ScoreRequest) -> None:
         """Refuse, in one sentence, what the engine would fail on."""
+        if request.kind not in self.health.payloads:
+            raise RequestError(f"this server answers {' and '.join(self.health.payloads)} "
+                               f"requests, not {request.kind} (its --payload)")
         if request.kind == "topk" and not 1 <= request.top_k <= self.health.max_top_k:
             raise RequestError(f"top_k={request.top_k} is outside 1..{self.health.max_top_k} "
                                "(the server's --max-top-k)")
@@ -89,7 +126,9 @@ class ScoringEngine:
                                    f"{self.health.vocab_size}")
 
     def score(self, requests: list[ScoreRequest]) -> list[ScoreAnswer]:
-        """Every request's answer, from one `generate` call over all their conversations."""
+        """Every request's answer, from one engine call over all their conversations."""
+        if self.health.payloads == PAYLOADS["hidden"]:
+            return self._hidden(requests)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -106,6 +145,27 @@ class ScoringEngine:
         outputs = iter(self.llm.generate(prompts, params, use_tqdm=False))
         return [self._answer(request, [next(outputs).prompt_logprobs
                                        for _ in request.token_ids]) for request in requests]
+
+    def _hidden(self, requests: list[ScoreRequest]) -> list[ScoreAnswer]:
+        import torch
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids.tolist())
+                   for request in requests for ids in request.token_ids]
+        outputs = iter(self.llm.encode(prompts, pooling_task="token_embed", use_tqdm=False))
+        answers = []
+        for request in requests:
+            # Row i is the state that predicts token i + 1: the target positions' rows.
+            hidden_TH = torch.cat([torch.zeros(0, self.health.hidden_size)] + [
+                next(outputs).outputs.data[torch.from_numpy(positions).long()].float()
+                for positions in request.positions])
+            if self.hidden_dtype == "bfloat16":  # exact: the engine's values are bf16 ones
+                hidden = hidden_TH.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            else:
+                hidden = hidden_TH.numpy()
+            answers.append(ScoreAnswer("distribution", 0, np.zeros(0, np.float32),
+                                       hidden_TH=hidden, hidden_dtype=self.hidden_dtype))
+        return answers
 
     def _answer(self, request: ScoreRequest, prompt_logprobs: list) -> ScoreAnswer:
         k = request.top_k if request.kind == "topk" else 0
@@ -214,6 +274,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 for trainers on other nodes)")
     parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--payload", choices=sorted(PAYLOADS), default="logprobs",
+                        help="logprobs: sampled and top-k log-probs (generate runner); hidden: "
+                             "the final hidden states for teacher.signal=distribution (pooling "
+                             "runner)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="the longest conversation scored, plus one")
     parser.add_argument("--max-top-k", type=int, default=64,
@@ -237,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                for name in ("tokenizer.json", "tokenizer_config.json")):
         sys.exit(f"--tokenizer: {tokenizer} holds no tokenizer; the trainer checks the served "
                  "vocabulary against its own, so pass the tokenizer directory it uses.")
-    engine = ScoringEngine(args.model, tokenizer, max_model_len=args.max_model_len,
+    engine = ScoringEngine(args.model, tokenizer, payload=args.payload,
+                           max_model_len=args.max_model_len,
                            max_top_k=args.max_top_k, dtype=args.dtype,
                            tensor_parallel_size=args.tensor_parallel_size,
                            gpu_memory_utilization=args.gpu_memory_utilization,

@@ -1,19 +1,24 @@
 """The served teacher's wire format: binary requests and answers of `POST /score`.
 
 Both directions are a fixed header followed by raw little-endian arrays (int32 ids, float32
-log-probs), never JSON lists of floats:
+log-probs, float32 or bfloat16 hidden states), never JSON lists of floats:
 
-    header     magic b"OPDT", version (u16), kind (u16: 0 sampled, 1 topk), top_k (u32),
-               count (u32): conversations in a request, target tokens in an answer
+    header     magic b"OPDT", version (u16), kind (u16: 0 sampled, 1 topk, 2 distribution),
+               top_k (u32), count (u32): conversations in a request, target tokens in an answer
     request    lengths int32[C], target counts int32[C], token ids int32[sum lengths],
                target positions int32[sum targets] (position i: score token i + 1 given the
                tokens up to i, so 0 <= i < length - 1)
     answer     logprobs float32[T] (the log-prob of each target token), then for topk
                top-k ids int32[T, k], top-k log-probs float32[T, k], rest float32[T] (the log
-               of the mass outside the top k; -inf when k covers the vocabulary)
+               of the mass outside the top k; -inf when k covers the vocabulary); for
+               distribution instead hidden size (u32), dtype (u16: 0 float32, 1 bfloat16), 0
+               (u16), then the final hidden states [T, H] (after the final norm; the trainer
+               applies the teacher's output head)
 
-An answer costs 4 bytes per target token for `sampled` and 8k + 8 for `topk` (k = 20: 168),
-whatever the vocabulary; a request 4 bytes per token plus 4 per target.
+An answer costs 4 bytes per target token for `sampled`, 8k + 8 for `topk` (k = 20: 168),
+whatever the vocabulary, and 2H for `distribution` from a bf16 engine (4H from an fp32 one:
+the server ships the engine's own precision, so neither loses a bit); a request 4 bytes per
+token plus 4 per target.
 
 `GET /health` answers a small JSON object (`Health`): what the trainer checks before it sends
 anything.
@@ -30,10 +35,13 @@ import numpy as np
 
 MAGIC = b"OPDT"
 VERSION = 1
-KINDS = ("sampled", "topk")
+KINDS = ("sampled", "topk", "distribution")  # the teacher.signal each answers
+HIDDEN_DTYPES = ("float32", "bfloat16")
 _HEADER = struct.Struct("<4sHHII")
+_HIDDEN = struct.Struct("<IHH")  # hidden size, dtype (HIDDEN_DTYPES), reserved
 _INT = np.dtype("<i4")
 _FLOAT = np.dtype("<f4")
+_BFLOAT = np.dtype("<u2")  # bfloat16 bits: numpy has no bfloat16
 
 
 class WireError(ValueError):
@@ -56,10 +64,20 @@ class ScoreAnswer:
 
     kind: str
     top_k: int
-    logprobs_T: np.ndarray  # float32 [T]
+    logprobs_T: np.ndarray  # float32 [T]; empty for distribution (the head gives them)
     topk_ids_TK: np.ndarray | None = None  # int32 [T, k]
     topk_logprobs_TK: np.ndarray | None = None  # float32 [T, k]
     topk_rest_T: np.ndarray | None = None  # float32 [T]
+    hidden_TH: np.ndarray | None = None  # float32, or uint16 bfloat16 bits [T, H]
+    hidden_dtype: str = "float32"  # one of HIDDEN_DTYPES
+
+    @property
+    def targets(self) -> int:
+        """Target tokens answered."""
+        if self.kind == "distribution":
+            assert self.hidden_TH is not None
+            return len(self.hidden_TH)
+        return len(self.logprobs_T)
 
 
 @dataclass
@@ -71,6 +89,9 @@ class Health:
     max_model_len: int  # the longest conversation it scores
     max_top_k: int  # the largest top_k it answers
     model: str
+    payloads: list[str]  # the KINDS it answers (its --payload)
+    hidden_size: int  # columns of the output head, the width of a distribution answer
+    head_sha256: str  # output_head.head_hash of its head if it serves distribution, else ""
 
     def to_json(self) -> bytes:
         return json.dumps(vars(self)).encode()
@@ -111,6 +132,16 @@ class _Reader:
         self.offset = end
         return values
 
+    def hidden_meta(self) -> tuple[int, int]:
+        """A distribution answer's hidden size and dtype code."""
+        if self.offset + _HIDDEN.size > len(self.body):
+            raise WireError(f"{self.what} ends before its hidden size")
+        hidden_size, code, _ = _HIDDEN.unpack_from(self.body, self.offset)
+        self.offset += _HIDDEN.size
+        if code >= len(HIDDEN_DTYPES):
+            raise WireError(f"{self.what} names an unknown hidden-state dtype {code}")
+        return hidden_size, code
+
     def done(self) -> None:
         if self.offset != len(self.body):
             raise WireError(f"{self.what} has {len(self.body) - self.offset} bytes past its arrays")
@@ -140,6 +171,13 @@ def decode_request(body: bytes) -> ScoreRequest:
 
 
 def encode_answer(answer: ScoreAnswer) -> bytes:
+    if answer.kind == "distribution":
+        assert answer.hidden_TH is not None
+        dtype = _FLOAT if answer.hidden_dtype == "float32" else _BFLOAT
+        return b"".join([_header(answer.kind, 0, len(answer.hidden_TH)),
+                         _HIDDEN.pack(answer.hidden_TH.shape[1],
+                                      HIDDEN_DTYPES.index(answer.hidden_dtype), 0),
+                         np.asarray(answer.hidden_TH, dtype=dtype).tobytes()])
     parts = [_header(answer.kind, answer.top_k, len(answer.logprobs_T)),
              np.asarray(answer.logprobs_T, dtype=_FLOAT).tobytes()]
     if answer.kind == "topk":
@@ -154,6 +192,13 @@ def encode_answer(answer: ScoreAnswer) -> bytes:
 def decode_answer(body: bytes) -> ScoreAnswer:
     reader = _Reader(body, "the answer")
     targets, k = reader.count, reader.top_k
+    if reader.kind == "distribution":
+        hidden_size, code = reader.hidden_meta()
+        dtype = _FLOAT if HIDDEN_DTYPES[code] == "float32" else _BFLOAT
+        hidden_TH = reader.array(dtype, targets * hidden_size).reshape(targets, hidden_size)
+        reader.done()
+        return ScoreAnswer(reader.kind, 0, np.zeros(0, _FLOAT), hidden_TH=hidden_TH,
+                           hidden_dtype=HIDDEN_DTYPES[code])
     answer = ScoreAnswer(reader.kind, k, reader.array(_FLOAT, targets))
     if reader.kind == "topk":
         answer.topk_ids_TK = reader.array(_INT, targets * k).reshape(targets, k)
