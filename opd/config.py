@@ -261,6 +261,9 @@ class TeacherConfig:
     retries: int = at_least(0, 3)  # served: further tries of a request (the next replica each)
     startup_timeout_s: float = positive(900.0)  # served: how long to wait for /health
     in_flight: int = at_least(1, 4)  # served: requests in flight per replica and rank
+    # served: send each conversation for scoring as soon as its rollout ends, while the others
+    # still generate or wait for tools (false: all of them once the rollout is done)
+    overlap: bool = True
 
 
 @dataclass
