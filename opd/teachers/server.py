@@ -12,6 +12,8 @@ reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served
                    positions) -> a binary answer: each target token's log-prob and, for topk,
                    the top-k ids and log-probs and the log of the rest's mass
                    (opd.teachers.wire)
+    GET  /stats    JSON counters since the start: tokens_scored, tokens_computed (the rest
+                   came from the prefix cache), conversations_rescored (see below)
 
 vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=k)`: the log-prob of
 every prompt token and the top k at each position. Its prompt log-probs are the model's raw
@@ -19,11 +21,21 @@ log-softmax (vLLM applies no sampling processor to prompt tokens, whatever `logp
 a served teacher answers at temperature 1 only, and the trainer refuses another
 `loss.temperature`. Requests that arrive together are scored in one `generate` call (one
 engine thread; HTTP threads only parse and wait).
+
+Prefix reuse: vLLM skips reading its prefix cache for a request with prompt log-probs unless
+the request says `skip_reading_prefix_cache=False`; then the rows of the answer a cache hit
+covers are left unfilled (`num_cached_tokens` of them), and the rest are exact. A conversation's
+targets start after its prompt, so a hit that ends at or before its first target position costs
+nothing, and the samples of one prompt and BFCL's long shared system prompt are computed once
+(bench/served_teacher.py prefix); a conversation whose hit reaches past its first target (a
+duplicate, or samples that agree for a whole cache block) is scored again without reading the
+cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import sys
@@ -64,12 +76,13 @@ class ScoringEngine:
                              tokenizer_sha256=vocabulary_hash(AutoTokenizer.from_pretrained(
                                  tokenizer, local_files_only=True)),
                              max_model_len=max_model_len, max_top_k=max_top_k, model=model)
-        # The prefix cache is skipped for prompt log-probs anyway (vLLM's docs).
+        # Prefix reuse: see the module's docstring.
         self.llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, seed=0,
                        max_model_len=max_model_len, max_logprobs=max_top_k,
-                       enable_prefix_caching=False, enforce_eager=True,
+                       enable_prefix_caching=True, enforce_eager=True,
                        tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization)
+        self.stats = {"tokens_scored": 0, "tokens_computed": 0, "conversations_rescored": 0}
 
     def check(self, request: ScoreRequest) -> None:
         """Refuse, in one sentence, what the engine would fail on."""
@@ -88,22 +101,33 @@ class ScoringEngine:
 
     def score(self, requests: list[ScoreRequest]) -> list[ScoreAnswer]:
         """Every request's answer, from one `generate` call over all their conversations."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts, params = [], []
+        prompts, kinds, first_targets = [], [], []
         for request in requests:
-            # 0: the prompt token's own log-prob only. Flat: plain lists instead of a dict of
-            # objects per position, each position's entries in a fixed order (below).
-            param = SamplingParams(max_tokens=1, detokenize=False, flat_logprobs=True,
-                                   prompt_logprobs=request.top_k if request.kind == "topk"
-                                   else 0)
-            for ids in request.token_ids:
+            for ids, positions in zip(request.token_ids, request.positions):
                 prompts.append(TokensPrompt(prompt_token_ids=ids.tolist()))
-                params.append(param)
-        outputs = iter(self.llm.generate(prompts, params, use_tqdm=False))
-        return [self._answer(request, [next(outputs).prompt_logprobs
-                                       for _ in request.token_ids]) for request in requests]
+                kinds.append(request)
+                first_targets.append(int(positions.min()) if len(positions) else len(ids))
+        outputs = self.llm.generate(prompts, [_params(r, read_cache=True) for r in kinds],
+                                    use_tqdm=False)
+        # Rows below a cache hit are unfilled: score again where the hit covers a target.
+        again = [i for i, output in enumerate(outputs)
+                 if (output.num_cached_tokens or 0) > first_targets[i]]
+        lengths = [len(prompt["prompt_token_ids"]) for prompt in prompts]
+        self.stats["tokens_scored"] += sum(lengths)
+        self.stats["tokens_computed"] += sum(lengths) - sum(
+            output.num_cached_tokens or 0 for output in outputs) + sum(lengths[i] for i in again)
+        self.stats["conversations_rescored"] += len(again)
+        if again:
+            redone = self.llm.generate([prompts[i] for i in again],
+                                       [_params(kinds[i], read_cache=False) for i in again],
+                                       use_tqdm=False)
+            for i, output in zip(again, redone):
+                outputs[i] = output
+        flat = iter(output.prompt_logprobs for output in outputs)
+        return [self._answer(request, [next(flat) for _ in request.token_ids])
+                for request in requests]
 
     def _answer(self, request: ScoreRequest, prompt_logprobs: list) -> ScoreAnswer:
         k = request.top_k if request.kind == "topk" else 0
@@ -128,6 +152,17 @@ class ScoringEngine:
             answer.topk_rest_T = _rest_logprob(answer.topk_logprobs_TK,
                                                k >= self.health.vocab_size)
         return answer
+
+
+def _params(request: ScoreRequest, *, read_cache: bool):
+    """Prompt log-probs of a request's kind: 0 is the prompt token's own log-prob only. Flat:
+    plain lists instead of a dict of objects per position, each position's entries in a fixed
+    order (`ScoringEngine._answer`)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, detokenize=False, flat_logprobs=True,
+                          prompt_logprobs=request.top_k if request.kind == "topk" else 0,
+                          skip_reading_prefix_cache=not read_cache)
 
 
 def _rest_logprob(top_logprobs_TK: np.ndarray, whole_vocabulary: bool) -> np.ndarray:
@@ -172,6 +207,8 @@ class Batcher:
 def handler(engine: ScoringEngine, batcher: Batcher) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path == "/stats":
+                return self._reply(200, json.dumps(engine.stats).encode(), "application/json")
             if self.path != "/health":
                 return self._reply(404, b"no such path; GET /health or POST /score", "text/plain")
             self._reply(200, engine.health.to_json(), "application/json")
