@@ -154,6 +154,8 @@ def prefix(group: int, new_tokens: int) -> None:
                                temperature=1.0, seed=3, detokenize=False), use_tqdm=False)[0]
             conversations = [prompt_ids + list(c.token_ids) for c in sampled.outputs]
             first_target = len(prompt_ids) - 1  # the position that predicts the first sample
+            llm.generate([TokensPrompt(prompt_token_ids=conversations[0])],  # warm-up, untimed
+                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
             scored = sum(len(ids) for ids in conversations)
             results = {}
             for mode, skip in (("vllm_default", None), ("read_prefix_cache", False)):

@@ -194,7 +194,8 @@ def test_a_shared_prompt_is_read_from_the_prefix_cache_and_scores_stay_exact(mod
     from opd.trajectory import AgentTrajectory
 
     student, teacher_dir, vocab = models
-    generator = torch.Generator().manual_seed(1)
+    # Tokens of this case only: the module's server keeps its cache across cases.
+    generator = torch.Generator().manual_seed(1 if kind == "sampled" else 2)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=generator).tolist()
@@ -221,8 +222,7 @@ def test_a_shared_prompt_is_read_from_the_prefix_cache_and_scores_stay_exact(mod
     assert after["tokens_computed"] - before["tokens_computed"] < scored
     assert after["conversations_rescored"] - before["conversations_rescored"] == 1
     teacher_for(teacher_dir, "conversation").score_conversations(local, request)
-    names = ("logprobs_T",) if kind == "sampled" else ("logprobs_T", "topk_logprobs_TK",
-                                                       "topk_rest_T")
+    names = ("logprobs_T",) if kind == "sampled" else ("topk_logprobs_TK", "topk_rest_T")
     for got, expected in zip(remote, local):
         for name in names:
             torch.testing.assert_close(getattr(got.teacher_scores, name),
