@@ -266,6 +266,9 @@ class TeacherConfig:
     quantization: Literal["none", "fp8"] = "none"  # fp8: vLLM quantizes the weights at load
     expert_parallel: bool = False  # a MoE teacher's experts split over its GPUs, not sliced
     gpu_memory_utilization: float = rule(lambda v: 0 < v <= 1, "in (0, 1]", 0.9)
+    # served: send each conversation for scoring as soon as its rollout ends, while the others
+    # still generate or wait for tools (false: all of them once the rollout is done)
+    overlap: bool = True
 
 
 @dataclass

@@ -51,7 +51,13 @@ import torch
 from opd.chat import ChatFormat, restrict_to_tools
 from opd.config import RolloutConfig
 from opd.data import prompt_record, tools_at_turn, user_turns, withheld_tools
-from opd.sampling.base import TurnEngine, TurnRequest, TurnSampling, request_seed
+from opd.sampling.base import (
+    OnFinished,
+    TurnEngine,
+    TurnRequest,
+    TurnSampling,
+    request_seed,
+)
 from opd.tool_calls import parse_hermes_tool_calls
 from opd.tools import Episode, ToolResult
 from opd.trajectory import AgentTrajectory
@@ -199,8 +205,10 @@ class _BatchRollout:
     def __init__(self, model, chat: ChatFormat, executor, parser, cfg: RolloutConfig,
                  rows: list[_Row], sampler: _Sampler, device: torch.device,
                  engine: TurnEngine | None = None, seed: int = 0,
-                 tool_lanes: ThreadPoolExecutor | None = None):
+                 tool_lanes: ThreadPoolExecutor | None = None,
+                 on_finished: OnFinished | None = None):
         self.model, self.chat, self.executor, self.parser = model, chat, executor, parser
+        self.on_finished = on_finished
         self.cfg, self.rows, self.sampler, self.device = cfg, rows, sampler, device
         self.engine, self.seed = engine, seed
         if engine is None:
@@ -234,12 +242,15 @@ class _BatchRollout:
         self.finish_episodes()
 
     def finish_episodes(self) -> None:
-        """Read the final state of every ended row's live environment, then close its episode."""
+        """Read the final state of every ended row's live environment, then close its episode:
+        its trajectory is final, and `on_finished` hears of it."""
         for row in self.rows:
             if row.done and row.episode is not None and not row.episode.closed:
                 if row.episode.alive:
                     row.trajectory.environment_state = self.executor.episode_state(row.episode)
                 self.executor.close_episode(row.episode)
+                if self.on_finished is not None:
+                    self.on_finished(row.prompt_index, row.trajectory)
 
     def close_episodes(self) -> None:
         """Close every episode still open (the rollout is interrupted)."""
@@ -444,7 +455,8 @@ def _dummy_forward(model, pad_token_id: int, device: torch.device) -> None:
 def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: RolloutConfig, *,
             seed: int = 0, parser: Callable | None = None,
             sync: Callable[[bool], bool] | None = None, vocab_size: int | None = None,
-            engine: TurnEngine | None = None) -> list[AgentTrajectory]:
+            engine: TurnEngine | None = None,
+            on_finished: OnFinished | None = None) -> list[AgentTrajectory]:
     """Sample multi-turn conversations for `prompts`: dataset records (opd.data; their prompt,
     further user turns, `tools`, `tools_by_turn` and `environment` are read from them).
 
@@ -455,6 +467,7 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     an engine of its own (or drives its group's, whose other ranks mirror the calls), so no
     collective of the student runs and `sync` is not needed; `cfg.vllm_schedule`
     chooses per-conversation scheduling or turn-synchronous rounds (the same trajectories).
+    `on_finished(index, trajectory)` is called as each conversation ends (opd.sampling.base).
     """
     cfg.validate()
     parser = parser or parse_hermes_tool_calls
@@ -467,7 +480,7 @@ def rollout(model, chat: ChatFormat, executor, prompts: Sequence[dict], cfg: Rol
     tool_lanes = ThreadPoolExecutor(cfg.batch_size, thread_name_prefix="opd-tools") \
         if engine is not None else None
     batches = [_BatchRollout(model, chat, executor, parser, cfg, rows[i:i + cfg.batch_size],
-                             sampler, device, engine, seed, tool_lanes)
+                             sampler, device, engine, seed, tool_lanes, on_finished)
                for i in range(0, len(rows), cfg.batch_size)]
     was_training = module.training
     module.eval()

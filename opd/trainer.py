@@ -55,6 +55,7 @@ from opd.teachers.base import (
     packed_signal,
     teacher_class,
 )
+from opd.teachers.overlap import ScoringQueue
 from opd.tools import ToolExecutor
 from opd.trajectory import AgentTrajectory
 
@@ -188,36 +189,49 @@ def train_step(run: Run, step: int) -> dict:
 
 def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
     """Stage 1: this rank's trajectories for `step`, whether they are off-policy, and the
-    sampler's metrics; a per-conversation teacher scores them here."""
+    sampler's metrics; a per-conversation teacher scores them here, a served one each as soon
+    as the rollout finishes it (teacher.overlap), and then only the last answers are waited on
+    (`teacher_collect_s`)."""
     config, world = run.config, run.world
     metrics: dict = {}
     is_off_policy = off_policy(config, step)
-    if is_off_policy:
-        trajectories = step_records(run.inputs.completions, step, config, world.rank,
-                                    world.world_size,
-                                    run.epoch_orders.setdefault("completions", {}))
-    else:
-        prompts = step_records(run.inputs.prompts, step, config, world.rank, world.world_size,
-                               run.epoch_orders.setdefault("prompts", {}))
-        group = config.rollout.samples_per_prompt  # a prompt's samples stay on one rank
-        prompts = [record for record in prompts for _ in range(group)]
-        trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank))
-        metrics.update(run.sampler.metrics())
-        if config.loss.reward_weight > 0:
-            metrics.update(score_rewards(run, prompts, trajectories))
-    if run.teacher is not None and run.teacher.per_conversation:
-        tick = time.perf_counter()
-        # Copies: dataset completions are reused by later steps and must not keep scores.
-        trajectories = [dataclasses.replace(t) for t in trajectories]
-        failure: OPDError | None = None
-        try:
-            run.teacher.score_conversations(trajectories, run.signal)
-        except OPDError as error:  # e.g. a served teacher that died: every rank stops with it
-            failure = error
-        if all_reduce([failure is not None], op="max")[0]:
-            raise failure or OPDError(f"step {step}: another rank's teacher scoring failed "
-                                      "(its error names the teacher); nothing was trained.")
-        metrics["teacher_collect_s"] = round(time.perf_counter() - tick, 4)
+    teacher = run.teacher
+    early = ScoringQueue(teacher, run.signal) if teacher is not None and \
+        teacher.overlaps_rollout and config.teacher.overlap and not is_off_policy else None
+    try:
+        if is_off_policy:
+            trajectories = step_records(run.inputs.completions, step, config, world.rank,
+                                        world.world_size,
+                                        run.epoch_orders.setdefault("completions", {}))
+        else:
+            prompts = step_records(run.inputs.prompts, step, config, world.rank,
+                                   world.world_size, run.epoch_orders.setdefault("prompts", {}))
+            group = config.rollout.samples_per_prompt  # a prompt's samples stay on one rank
+            prompts = [record for record in prompts for _ in range(group)]
+            trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank),
+                                              early)
+            metrics.update(run.sampler.metrics())
+            if config.loss.reward_weight > 0:
+                metrics.update(score_rewards(run, prompts, trajectories))
+        if teacher is not None and teacher.per_conversation:
+            tick = time.perf_counter()
+            # Copies: dataset completions are reused by later steps and must not keep scores.
+            trajectories = [dataclasses.replace(t) for t in trajectories]
+            failure: OPDError | None = None
+            try:
+                if early is not None:
+                    early.wait(trajectories)
+                else:
+                    teacher.score_conversations(trajectories, run.signal)
+            except OPDError as error:  # e.g. a served teacher that died: every rank stops
+                failure = error
+            if all_reduce([failure is not None], op="max")[0]:
+                raise failure or OPDError(f"step {step}: another rank's teacher scoring failed "
+                                          "(its error names the teacher); nothing was trained.")
+            metrics["teacher_collect_s"] = round(time.perf_counter() - tick, 4)
+    finally:
+        if early is not None:  # a failed rollout or step sends nothing more
+            early.cancel()
     return trajectories, is_off_policy, metrics
 
 

@@ -103,6 +103,26 @@ def test_scripted_conversations_batched_with_per_row_state(scripted, tools, exec
     assert sum(long_turn.assistant_mask) == 64
 
 
+def test_each_conversation_is_reported_once_as_soon_as_it_is_final(scripted, tools, executor):
+    """`on_finished` (what a served teacher scores from) hears of the one-turn conversation
+    while the three-turn one still samples, and of each exactly once, in its final state."""
+    chat, policy = scripted
+    forwards: list[int] = []
+    policy.register_forward_hook(lambda *_: forwards.append(1))
+    reports: dict[int, tuple[int, list[int]]] = {}
+
+    def on_finished(index, trajectory):
+        assert index not in reports
+        reports[index] = (len(forwards), list(trajectory.input_ids))
+
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=64, max_total_len=1024, batch_size=2)
+    two_hops, direct = rollout(policy, chat, executor,
+                               [prompt(k, tools) for k in ("Q-two-hops", "Q-direct")], cfg,
+                               on_finished=on_finished)
+    assert reports[0][1] == two_hops.input_ids and reports[1][1] == direct.input_ids
+    assert reports[1][0] < reports[0][0] == len(forwards)
+
+
 def test_max_turns_truncates_and_counts_the_unexecuted_calls(scripted, tools, executor):
     chat, policy = scripted
     cfg = RolloutConfig(max_turns=2, max_new_tokens=64, max_total_len=1024)

@@ -175,6 +175,61 @@ def test_served_scores_equal_the_in_process_teachers(models, server, kind, top_k
             torch.testing.assert_close(rest[0], rest[1], rtol=0, atol=1e-4)
 
 
+def _stats(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats") as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.vllm
+@vllm_installed
+@pytest.mark.parametrize("kind", ["sampled", "topk"])
+def test_a_shared_prompt_is_read_from_the_prefix_cache_and_scores_stay_exact(models, server,
+                                                                             kind):
+    """Three samples of one long prompt, sent one by one as the rollout finishes them: the
+    later ones read the prompt from vLLM's prefix cache. A repeated conversation whose cache hit
+    covers its targets is scored again without the cache. Both equal the in-process teacher's
+    scores to 1e-4."""
+    from opd.trajectory import AgentTrajectory
+
+    student, teacher_dir, vocab = models
+    # Tokens of this case only: the module's server keeps its cache across cases.
+    generator = torch.Generator().manual_seed(1 if kind == "sampled" else 2)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def conversation(ids: list[int], prompt: int) -> AgentTrajectory:
+        return AgentTrajectory(list(ids), [False] * prompt + [True] * (len(ids) - prompt),
+                               turns=1, tool_calls=0, truncated=False)
+
+    prompt, early = tokens(300), tokens(300)
+    remote = [conversation(prompt + tokens(40), 300) for _ in range(3)]
+    remote += [conversation(early, 4), conversation(early, 4)]  # targets from position 3 on
+    local = [conversation(t.input_ids, len(t.input_ids) - sum(t.assistant_mask))
+             for t in remote]
+    request = SignalRequest(kind, vocab, top_k=8 if kind == "topk" else 0)
+    served = ServedTeacher.build(served_config(server, student, teacher_dir, signal=kind),
+                                 ONE_CPU_RANK)
+    before = _stats(server)
+    for trajectory in remote:
+        served.score_conversations([trajectory], request)
+    after = _stats(server)
+    served.close()
+    scored = after["tokens_scored"] - before["tokens_scored"]
+    assert scored == sum(len(t.input_ids) for t in remote)
+    assert after["tokens_computed"] - before["tokens_computed"] < scored
+    assert after["conversations_rescored"] - before["conversations_rescored"] == 1
+    teacher_for(teacher_dir, "conversation").score_conversations(local, request)
+    names = ("logprobs_T",) if kind == "sampled" else ("topk_logprobs_TK", "topk_rest_T")
+    for got, expected in zip(remote, local):
+        for name in names:
+            torch.testing.assert_close(getattr(got.teacher_scores, name),
+                                       getattr(expected.teacher_scores, name),
+                                       rtol=0, atol=1e-4)
+
+
 @pytest.mark.vllm
 @vllm_installed
 @pytest.mark.parametrize("mismatch, message", [
@@ -291,40 +346,135 @@ def _train(recipe: Path, run_dir: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.vllm
-@vllm_installed
-def test_zero3_on_two_ranks_trains_from_a_served_teacher_and_resumes_exactly(tmp_path):
-    """A ZeRO-3 student on 2 ranks, its teacher behind one server started by
-    launch/teacher_server.sh: the sampled-token estimator trains, checkpoints every step, and a
-    run stopped after step 2 and resumed ends like the uninterrupted one."""
+@pytest.fixture(scope="module")
+def served_world(tmp_path_factory):
+    """A tiny toolcalc world and its teacher behind one server started by
+    launch/teacher_server.sh: (root, recipe, the trainer's overrides the script printed)."""
     from dist_scripts.world import VLLM_STUDENT_SHAPE, build_world
 
-    recipe = build_world(tmp_path / "world", student_shape=VLLM_STUDENT_SHAPE,
+    root = tmp_path_factory.mktemp("served_world")
+    recipe = build_world(root / "world", student_shape=VLLM_STUDENT_SHAPE,
                          teacher_shape=VLLM_STUDENT_SHAPE)
     port = free_port()
     started = subprocess.run(
-        ["bash", "launch/teacher_server.sh", "--model", str(tmp_path / "world" / "teacher"),
-         "--tokenizer", str(tmp_path / "world" / "tokenizer"), "--port", str(port),
+        ["bash", "launch/teacher_server.sh", "--model", str(root / "world" / "teacher"),
+         "--tokenizer", str(root / "world" / "tokenizer"), "--port", str(port),
          "--max-model-len", "512", "--dtype", "float32", "--gpu-memory-utilization", "0.3"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, "OPD_TEACHER_PYTHON": sys.executable, "VLLM_CPU_KVCACHE_SPACE": "1",
-             "OPD_TEACHER_LOG": str(tmp_path / "server.log")})
+             "OPD_TEACHER_LOG": str(root / "server.log")})
     assert started.returncode == 0, started.stderr
     pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
     try:
         overrides = started.stdout.strip().splitlines()[-1].split()
         assert overrides == ["teacher.engine=served", f"teacher.urls=[http://127.0.0.1:{port}]"]
-        overrides += ["loss.direction=sampled_reverse_kl"]
-        whole = _train(recipe, tmp_path / "whole", "train.steps=3", *overrides)
-        assert [r["step"] for r in whole] == [1, 2, 3]
-        for record in whole:
-            assert record["teacher_tokens"] > 0 and record["teacher_collect_s"] > 0
-            assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
-        assert (tmp_path / "whole" / "checkpoints").is_dir()
-        _train(recipe, tmp_path / "split", "train.steps=2", *overrides)
-        resumed = _train(recipe, tmp_path / "split", "train.steps=3", *overrides)
-        assert [r["step"] for r in resumed][-1] == 3
-        for key in ("loss", "tokens", "target_tokens", "grad_norm"):
-            assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-5), key
+        yield root, recipe, [*overrides, "loss.direction=sampled_reverse_kl"]
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_zero3_on_two_ranks_trains_from_a_served_teacher_and_resumes_exactly(served_world):
+    """A ZeRO-3 student on 2 ranks, its teacher behind one server: the sampled-token estimator
+    trains, checkpoints every step, and a run stopped after step 2 and resumed ends like the
+    uninterrupted one."""
+    root, recipe, overrides = served_world
+    whole = _train(recipe, root / "whole", "train.steps=3", *overrides)
+    assert [r["step"] for r in whole] == [1, 2, 3]
+    for record in whole:
+        assert record["teacher_tokens"] > 0 and record["teacher_collect_s"] > 0
+        assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    assert (root / "whole" / "checkpoints").is_dir()
+    _train(recipe, root / "split", "train.steps=2", *overrides)
+    resumed = _train(recipe, root / "split", "train.steps=3", *overrides)
+    assert [r["step"] for r in resumed][-1] == 3
+    for key in ("loss", "tokens", "target_tokens", "grad_norm"):
+        assert resumed[-1][key] == pytest.approx(whole[-1][key], rel=1e-5), key
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_scoring_that_overlaps_the_rollout_trains_like_scoring_after_it(served_world):
+    """teacher.overlap sends each conversation as the rollout finishes it; the step trains the
+    same as when every conversation is scored after the rollout."""
+    root, recipe, overrides = served_world
+    runs = {overlap: _train(recipe, root / f"overlap_{overlap}", "train.steps=2",
+                            f"teacher.overlap={overlap}", *overrides)
+            for overlap in ("true", "false")}
+    for during, after in zip(runs["true"], runs["false"]):
+        for key in ("loss", "kl_per_token", "grad_norm", "tokens", "target_tokens",
+                    "teacher_tokens"):
+            assert during[key] == pytest.approx(after[key], rel=1e-5, abs=1e-7), key
+
+
+class _KillsTheTeacher:
+    """A proxy in front of a real server that kills it (SIGKILL) right after passing on the
+    first answer, then stops listening itself: the teacher dies mid-rollout, with the
+    conversations that finish later still to score."""
+
+    def __init__(self, upstream: str, process: subprocess.Popen):
+        import threading
+        import urllib.request
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        def die() -> None:
+            process.kill()
+            self.server.shutdown()
+            self.server.server_close()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                with urllib.request.urlopen(upstream + self.path) as response:
+                    self._reply(response.read())
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with urllib.request.urlopen(urllib.request.Request(
+                        upstream + self.path, data=body)) as response:
+                    self._reply(response.read())
+                threading.Thread(target=die, daemon=True).start()
+
+            def _reply(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.vllm
+@vllm_installed
+def test_a_teacher_killed_mid_rollout_ends_the_step_on_every_rank(served_world, tmp_path):
+    """The first finished conversation is scored, then the teacher dies while the rollout goes
+    on: both ranks stop with one sentence naming the URL after the retries, nothing trains."""
+    root, recipe, overrides = served_world
+    port = free_port()
+    process = start_server(root / "world" / "teacher", port, 8, tmp_path / "server.log")
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", timeout_s=600)
+        proxy = _KillsTheTeacher(f"http://127.0.0.1:{port}", process)
+        run_dir = tmp_path / "killed"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), "launch/train.py", "--recipe",
+                   str(recipe), f"logging.run_dir={run_dir}", "train.steps=2",
+                   "teacher.engine=served", f"teacher.urls=[{proxy.url}]", "teacher.retries=1",
+                   "teacher.timeout_s=10", *overrides[2:]]
+        finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                  timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert finished.returncode != 0
+        assert re.search(rf"teacher.urls: {proxy.url} failed the last of 2 tries of a scoring "
+                         r"request \((connection refused|the connection broke)", finished.stderr
+                         + finished.stdout), (finished.stdout + finished.stderr)[-6000:]
+        assert not (run_dir / "metrics.jsonl").exists() or \
+            not (run_dir / "metrics.jsonl").read_text().strip()
+        assert not (run_dir / "checkpoints").exists() or \
+            not any((run_dir / "checkpoints").iterdir())
+    finally:
+        stop(process)

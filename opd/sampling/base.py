@@ -6,9 +6,12 @@ the training engine, or an inference engine holding a copy of them) and its life
     check(config, world)   class method: refuse, from the config and files alone, what this
                            engine cannot run; called before any engine or evaluation starts
                            (`check_installed`, its first part, also in a dry run)
-    sample(prompts, seed)  this rank's finished trajectories (opd.trajectory.AgentTrajectory),
+    sample(prompts, seed, on_finished)
+                           this rank's finished trajectories (opd.trajectory.AgentTrajectory),
                            each an episode of the run's tool executor; collective where the
-                           engine is (every rank calls it once per on-policy step)
+                           engine is (every rank calls it once per on-policy step);
+                           `on_finished(index, trajectory)` hears of each as soon as it is
+                           final (a served teacher scores it while the others still run)
     weights_changed()      the optimizer applied a step: the next `sample` must see new weights
     metrics()              figures of the last `sample` for metrics.jsonl (may be collective)
     close()                release the engine
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
     from opd.dist import World
     from opd.tools import ToolExecutor
     from opd.trajectory import AgentTrajectory
+
+
+OnFinished = Callable[[int, "AgentTrajectory"], None]
 
 
 @dataclass
@@ -63,8 +69,13 @@ class Sampler(ABC):
         cls.check_installed()
 
     @abstractmethod
-    def sample(self, prompts: Sequence[dict], seed: int) -> list[AgentTrajectory]:
-        """This rank's trajectories for `prompts` (dataset records), deterministic in `seed`."""
+    def sample(self, prompts: Sequence[dict], seed: int,
+               on_finished: OnFinished | None = None) -> list[AgentTrajectory]:
+        """This rank's trajectories for `prompts` (dataset records), deterministic in `seed`.
+
+        `on_finished(index, trajectory)` is called once for each of them, on the calling
+        thread, as soon as trajectory `index` will change no more (its episode closed), and
+        before `sample` returns; not for the conversations of a rollout that raised."""
 
     def weights_changed(self) -> None:  # noqa: B027 - an optional hook
         """The student's weights changed since the last `sample`."""

@@ -13,16 +13,17 @@ from collections.abc import Sequence
 
 from opd.dist import lockstep
 from opd.rollout import rollout
-from opd.sampling.base import Sampler
+from opd.sampling.base import OnFinished, Sampler
 from opd.trajectory import AgentTrajectory
 
 
 class HFSampler(Sampler):
-    def sample(self, prompts: Sequence[dict], seed: int) -> list[AgentTrajectory]:
+    def sample(self, prompts: Sequence[dict], seed: int,
+               on_finished: OnFinished | None = None) -> list[AgentTrajectory]:
         context = self.context
         gather = context.config.student.generation_gather == "once"
         sync = lockstep() if context.world.distributed and not gather else None
         with context.student.generation_context(gather) as model:
             return rollout(model, context.chat, context.executor, prompts,
                            context.config.rollout, seed=seed, parser=context.parser, sync=sync,
-                           vocab_size=context.vocab_size)
+                           vocab_size=context.vocab_size, on_finished=on_finished)

@@ -21,7 +21,7 @@ from opd.config import Config
 from opd.dist import World, all_reduce, consecutive_group
 from opd.errors import ConfigError
 from opd.rollout import rollout
-from opd.sampling.base import Sampler, SamplerContext, TurnEngine
+from opd.sampling.base import OnFinished, Sampler, SamplerContext, TurnEngine
 from opd.trajectory import AgentTrajectory
 
 CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
@@ -91,7 +91,8 @@ class VLLMSampler(Sampler):
     def weights_changed(self) -> None:
         self.stale = True
 
-    def sample(self, prompts: Sequence[dict], seed: int) -> list[AgentTrajectory]:
+    def sample(self, prompts: Sequence[dict], seed: int,
+               on_finished: OnFinished | None = None) -> list[AgentTrajectory]:
         if self.sleeps:
             self.engine.wake_up()
         started = time.perf_counter()
@@ -99,25 +100,28 @@ class VLLMSampler(Sampler):
             self.engine.load_weights(self.context.student.full_parameters())
             self.stale = False
         self.sync_s = time.perf_counter() - started
-        self.last = self._sample_group(list(prompts), seed)
+        self.last = self._sample_group(list(prompts), seed, on_finished)
         if self.sleeps:
             self.engine.sleep()
         return self.last
 
-    def _rollout(self, records: list[dict], engine: TurnEngine, seed: int
-                 ) -> list[AgentTrajectory]:
+    def _rollout(self, records: list[dict], engine: TurnEngine, seed: int,
+                 on_finished: OnFinished | None) -> list[AgentTrajectory]:
         context = self.context
         return rollout(None, context.chat, context.executor, records, context.config.rollout,
                        seed=seed, parser=context.parser, vocab_size=context.vocab_size,
-                       engine=engine)
+                       engine=engine, on_finished=on_finished)
 
-    def _sample_group(self, prompts: list[dict], seed: int) -> list[AgentTrajectory]:
+    def _sample_group(self, prompts: list[dict], seed: int,
+                      on_finished: OnFinished | None) -> list[AgentTrajectory]:
         """This rank's trajectories: its own engine's, or, for a group of ranks sharing one
         tensor-parallel engine, its share of what the group's first rank sampled for all the
-        group's prompts (with that rank's seed) while the others mirrored its engine calls."""
+        group's prompts (with that rank's seed) while the others mirrored its engine calls.
+        In a group, the first rank hears of its own conversations as they finish and the
+        others of theirs once their share arrives."""
         group = self.group
         if group is None:
-            return self._rollout(prompts, self.engine, seed)
+            return self._rollout(prompts, self.engine, seed, on_finished)
         import torch.distributed as dist
 
         shares: list | None = [None] * dist.get_world_size(group.group) \
@@ -125,9 +129,15 @@ class VLLMSampler(Sampler):
         dist.gather_object(prompts, shares, dst=group.leader, group=group.group)
         if group.is_leader:
             assert shares is not None
+            own = len(prompts)  # the first rank's share comes first
+
+            def own_finished(index: int, trajectory: AgentTrajectory) -> None:
+                if on_finished is not None and index < own:
+                    on_finished(index, trajectory)
+
             try:
                 trajectories = self._rollout([record for share in shares for record in share],
-                                             group, seed)
+                                             group, seed, own_finished)
             finally:
                 group.finish()
             starts = [0, *itertools.accumulate(len(share) for share in shares)]
@@ -136,6 +146,9 @@ class VLLMSampler(Sampler):
             group.follow()
         mine: list = [None]
         dist.scatter_object_list(mine, shares, src=group.leader, group=group.group)
+        if on_finished is not None and not group.is_leader:
+            for index, trajectory in enumerate(mine[0]):
+                on_finished(index, trajectory)
         return mine[0]
 
     def metrics(self) -> dict:

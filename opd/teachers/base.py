@@ -21,6 +21,9 @@ When it scores:
                          finished conversation; the scores travel on the trajectory
                          (`AgentTrajectory.teacher_scores`, target tokens only) and packing puts
                          them in place (`packed_signal`): the shape a served teacher needs
+    as each one ends     a teacher that `overlaps_rollout` takes each conversation with
+                         `submit(trajectory, request)` as soon as the rollout finishes it (a
+                         future; opd.teachers.overlap), while the others still run
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -104,6 +108,7 @@ class Teacher(ABC):
     # Its weights live in the training processes; a served teacher's do not, so `eval.teacher`
     # does not load them there for its row of the results table (opd.pipeline).
     in_trainer: bool = True
+    overlaps_rollout: bool = False  # `submit` scores one conversation in the background
 
     @classmethod
     @abstractmethod
@@ -123,6 +128,12 @@ class Teacher(ABC):
         """Set `teacher_scores` on each of this rank's trajectories (per-conversation teachers;
         collective where the engine is: every rank calls it once per step)."""
         raise NotImplementedError(f"{type(self).__name__} scores packed micro-batches")
+
+    def submit(self, trajectory: AgentTrajectory, request: SignalRequest
+               ) -> Future[TeacherScores]:
+        """Score one finished conversation in the background (`overlaps_rollout` teachers):
+        its scores, or the one-sentence error that ends the step, from the future."""
+        raise NotImplementedError(f"{type(self).__name__} does not score in the background")
 
     @abstractmethod
     def head(self) -> AbstractContextManager[HeadWeights]:

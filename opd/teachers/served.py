@@ -5,10 +5,11 @@ The trainer's side of the wire (opd.teachers.wire): `build` waits for every repl
 `teacher.urls` to answer `GET /health` (up to `teacher.startup_timeout_s`) and refuses, in one
 sentence naming the URL, a server whose tokenizer vocabulary or vocabulary size differs from the
 run's, whose context is shorter than `rollout.max_total_len`, whose largest top-k is below
-`teacher.top_k`, or that does not serve the payload `teacher.signal` asks for.
-`score_conversations` then sends each conversation as its own request, round-robin over the
-replicas with `teacher.in_flight` requests in flight per replica, and `submit` is the same for
-one conversation (to score it as soon as its rollout ends).
+`teacher.top_k`, or that does not serve the payload `teacher.signal` asks for. `submit` then
+sends a conversation as its own request, round-robin over the replicas with `teacher.in_flight`
+requests in flight per replica: the trainer calls it as soon as the rollout finishes each
+conversation (`teacher.overlap`, opd.teachers.overlap), and `score_conversations` sends a whole
+list the same way.
 
 Faults: a request that fails (refused connection, no answer within `teacher.timeout_s`, a
 server error, a short or malformed answer) is retried on the next replica after a backoff, up
@@ -44,6 +45,7 @@ from opd.config import Config
 from opd.dist import World
 from opd.errors import ConfigError, TeacherServerError, VocabularyError
 from opd.teachers.base import HeadWeights, SignalRequest, Teacher, TeacherScores
+from opd.teachers.overlap import ScoringQueue
 from opd.teachers.wire import (
     Health,
     ScoreAnswer,
@@ -78,6 +80,7 @@ def _describe(error: BaseException, timeout_s: float) -> str:
 class ServedTeacher(Teacher):
     per_conversation = True
     in_trainer = False
+    overlaps_rollout = True
     signals = ("topk", "sampled", "distribution")
 
     @classmethod
@@ -167,15 +170,10 @@ class ServedTeacher(Teacher):
 
     def score_conversations(self, trajectories: Sequence[AgentTrajectory],
                             request: SignalRequest) -> None:
-        futures = [self.submit(trajectory, request) for trajectory in trajectories]
-        try:
-            scores = [future.result() for future in futures]
-        finally:
-            for future in futures:
-                future.cancel()
-        # Only once every conversation has its scores: a failed step leaves none half-scored.
-        for trajectory, score in zip(trajectories, scores):
-            trajectory.teacher_scores = score
+        queue = ScoringQueue(self, request)
+        for index, trajectory in enumerate(trajectories):
+            queue(index, trajectory)
+        queue.wait(trajectories)
 
     def _score(self, body: bytes, request: SignalRequest, targets: int,
                turn: int) -> TeacherScores:

@@ -15,6 +15,8 @@ reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served
                    the top-k ids and log-probs and the log of the rest's mass; or, with
                    `--payload hidden`, the final hidden states where each target is predicted
                    (opd.teachers.wire)
+    GET  /stats    JSON counters since the start: tokens_scored, tokens_computed (the rest
+                   came from the prefix cache), conversations_rescored (see below)
 
 vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=k)`: the log-prob of
 every prompt token and the top k at each position. Its prompt log-probs are the model's raw
@@ -29,11 +31,21 @@ returns the decoder's output after the final norm, which the trainer turns into 
 distribution with the teacher's output head (opd.teachers.output_head) inside its fused loss.
 They travel in the engine's precision: bfloat16 from a bf16 engine (vLLM hands them back as
 float32, but every value is a bf16 one, so nothing is lost), float32 otherwise.
+
+Prefix reuse: vLLM skips reading its prefix cache for a request with prompt log-probs unless
+the request says `skip_reading_prefix_cache=False`; then the rows of the answer a cache hit
+covers are left unfilled (`num_cached_tokens` of them), and the rest are exact. A conversation's
+targets start after its prompt, so a hit that ends at or before its first target position costs
+nothing, and the samples of one prompt and BFCL's long shared system prompt are computed once
+(bench/served_teacher.py prefix); a conversation whose hit reaches past its first target (a
+duplicate, or samples that agree for a whole cache block) is scored again without reading the
+cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import sys
@@ -87,7 +99,7 @@ class ScoringEngine:
                              payloads=PAYLOADS[payload],
                              hidden_size=int(text_config.hidden_size), head_sha256=head_sha256)
         common = dict(model=model, dtype=dtype, seed=0, max_model_len=max_model_len,
-                      enable_prefix_caching=False, enforce_eager=True,
+                      enforce_eager=True,
                       tensor_parallel_size=tensor_parallel_size,
                       gpu_memory_utilization=gpu_memory_utilization,
                       quantization=quantization, enable_expert_parallel=enable_expert_parallel)
@@ -96,7 +108,8 @@ class ScoringEngine:
 
             # Every token's final hidden state, as the decoder leaves it (no normalisation);
             # the pooling runner needs a tokenizer, though it is given token ids only.
-            self.llm = LLM(runner="pooling", tokenizer=tokenizer, **common,
+            self.llm = LLM(runner="pooling", tokenizer=tokenizer, enable_prefix_caching=False,
+                           **common,
                            pooler_config=PoolerConfig(task="token_embed", tok_pooling_type="ALL",
                                                       use_activation=False))
             import torch
@@ -104,8 +117,10 @@ class ScoringEngine:
             self.hidden_dtype = "bfloat16" if self.llm.llm_engine.model_config.dtype \
                 == torch.bfloat16 else "float32"
         else:
-            # The prefix cache is skipped for prompt log-probs anyway (vLLM's docs).
-            self.llm = LLM(skip_tokenizer_init=True, max_logprobs=max_top_k, **common)
+            # Prefix reuse: see the module's docstring.
+            self.llm = LLM(skip_tokenizer_init=True, max_logprobs=max_top_k,
+                           enable_prefix_caching=True, **common)
+        self.stats = {"tokens_scored": 0, "tokens_computed": 0, "conversations_rescored": 0}
 
     def check(self, request: ScoreRequest) -> None:
         """Refuse, in one sentence, what the engine would fail on."""
@@ -129,22 +144,33 @@ class ScoringEngine:
         """Every request's answer, from one engine call over all their conversations."""
         if self.health.payloads == PAYLOADS["hidden"]:
             return self._hidden(requests)
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts, params = [], []
+        prompts, kinds, first_targets = [], [], []
         for request in requests:
-            # 0: the prompt token's own log-prob only. Flat: plain lists instead of a dict of
-            # objects per position, each position's entries in a fixed order (below).
-            param = SamplingParams(max_tokens=1, detokenize=False, flat_logprobs=True,
-                                   prompt_logprobs=request.top_k if request.kind == "topk"
-                                   else 0)
-            for ids in request.token_ids:
+            for ids, positions in zip(request.token_ids, request.positions):
                 prompts.append(TokensPrompt(prompt_token_ids=ids.tolist()))
-                params.append(param)
-        outputs = iter(self.llm.generate(prompts, params, use_tqdm=False))
-        return [self._answer(request, [next(outputs).prompt_logprobs
-                                       for _ in request.token_ids]) for request in requests]
+                kinds.append(request)
+                first_targets.append(int(positions.min()) if len(positions) else len(ids))
+        outputs = self.llm.generate(prompts, [_params(r, read_cache=True) for r in kinds],
+                                    use_tqdm=False)
+        # Rows below a cache hit are unfilled: score again where the hit covers a target.
+        again = [i for i, output in enumerate(outputs)
+                 if (output.num_cached_tokens or 0) > first_targets[i]]
+        lengths = [len(prompt["prompt_token_ids"]) for prompt in prompts]
+        self.stats["tokens_scored"] += sum(lengths)
+        self.stats["tokens_computed"] += sum(lengths) - sum(
+            output.num_cached_tokens or 0 for output in outputs) + sum(lengths[i] for i in again)
+        self.stats["conversations_rescored"] += len(again)
+        if again:
+            redone = self.llm.generate([prompts[i] for i in again],
+                                       [_params(kinds[i], read_cache=False) for i in again],
+                                       use_tqdm=False)
+            for i, output in zip(again, redone):
+                outputs[i] = output
+        flat = iter(output.prompt_logprobs for output in outputs)
+        return [self._answer(request, [next(flat) for _ in request.token_ids])
+                for request in requests]
 
     def _hidden(self, requests: list[ScoreRequest]) -> list[ScoreAnswer]:
         import torch
@@ -192,6 +218,17 @@ class ScoringEngine:
         return answer
 
 
+def _params(request: ScoreRequest, *, read_cache: bool):
+    """Prompt log-probs of a request's kind: 0 is the prompt token's own log-prob only. Flat:
+    plain lists instead of a dict of objects per position, each position's entries in a fixed
+    order (`ScoringEngine._answer`)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, detokenize=False, flat_logprobs=True,
+                          prompt_logprobs=request.top_k if request.kind == "topk" else 0,
+                          skip_reading_prefix_cache=not read_cache)
+
+
 def _rest_logprob(top_logprobs_TK: np.ndarray, whole_vocabulary: bool) -> np.ndarray:
     """log(1 - the top k's mass) per row, summed in float64; -inf where nothing is outside them
     (rounding can push the sum of a whole vocabulary past 1)."""
@@ -234,6 +271,8 @@ class Batcher:
 def handler(engine: ScoringEngine, batcher: Batcher) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path == "/stats":
+                return self._reply(200, json.dumps(engine.stats).encode(), "application/json")
             if self.path != "/health":
                 return self._reply(404, b"no such path; GET /health or POST /score", "text/plain")
             self._reply(200, engine.health.to_json(), "application/json")
