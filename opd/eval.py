@@ -1,7 +1,9 @@
 """Success-rate eval: roll a model out on a dataset of tasks and check its final answers.
 
 A task succeeds when the final assistant turn passes the answer checker, every tool call in the
-conversation was valid and ran, and nothing was truncated. Works for any Hugging Face causal LM
+conversation was valid and ran (unless the checker has `forgives_failed_calls = True`: a world
+whose tools reject calls informatively, where recovering is part of the task), and nothing was
+truncated. Works for any Hugging Face causal LM
 directory (its tokenizer and chat template included), any JSONL dataset in the `opd.data` form
 and any checker `check(final_text, record) -> bool`.
 
@@ -155,7 +157,9 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
     correct = bool(call_checker(check, text, record, episode))
     return {
         "group": record.get(GROUP_KEY), "correct": correct, "calls_ok": calls_ok,
-        "truncated": trajectory.truncated, "success": correct and calls_ok and not trajectory.truncated,
+        "truncated": trajectory.truncated,
+        "success": correct and not trajectory.truncated
+        and (calls_ok or getattr(check, "forgives_failed_calls", False)),
         "valid_calls": counts.valid, "all_calls": counts.valid + counts.invalid + counts.failed,
         "turns": trajectory.turns, "tokens": len(trajectory.input_ids),
         "generated_tokens": sum(trajectory.assistant_mask),
