@@ -210,8 +210,14 @@ def _rates(outcomes: list[dict]) -> dict:
     def mean(key: str) -> float:
         return sum(float(o[key]) for o in outcomes) / count
 
+    rejected = [o for o in outcomes if o["all_calls"] > o["valid_calls"]]
     return {
         "num_tasks": count, "success_rate": mean("success"), "answer_accuracy": mean("correct"),
+        # Tasks with at least one refused or failed call, and how many of those still succeeded
+        # (a recovery, where the checker forgives rejected calls).
+        "rejected_call_rate": len(rejected) / count,
+        "success_after_rejection": sum(o["success"] for o in rejected) / len(rejected)
+        if rejected else None,
         "tool_call_validity": sum(o["valid_calls"] for o in outcomes) / all_calls
         if all_calls else None,
         "truncation_rate": mean("truncated"), "mean_turns": mean("turns"),

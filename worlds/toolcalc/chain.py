@@ -13,8 +13,9 @@ to pay, each for a stated reason:
 - **Informative rejections.** The episode is stateful (`ChainEnvironment`): it knows every value
   the question states and every result returned so far, and rejects a calculator expression
   holding any other number, or a lookup of an unknown place, with an error naming the nearest
-  known value ("unknown number 19355; did you mean 19335?"). A slip becomes a state the episode can recover from, but only a model that has
-  learned to read that error and retry does.
+  known value ("unknown number 19355; did you mean 19335?"). A slip becomes a state the
+  episode can recover from, but only a model that has learned to read that error and retry
+  does.
 - **Knowledge the distiller cannot read.** The teacher is trained on demonstrations with
   injected slips followed by their rejection and the corrected call (the slipped turn carries
   `"weight": 0`, so the teacher learns to recover, not to slip). The distiller never receives
@@ -43,7 +44,7 @@ import re
 from dataclasses import dataclass
 
 from worlds.toolcalc.tasks import ENTITIES, ToolStep, answer_text, check_answer
-from worlds.toolcalc.tools import LOOKUP_TABLE, TOOL_SCHEMAS, TOOL_FUNCTIONS, lookup
+from worlds.toolcalc.tools import LOOKUP_TABLE, TOOL_FUNCTIONS, TOOL_SCHEMAS, lookup
 
 CALLS = (3, 4, 5, 6, 7)  # tool calls per chain: the horizons
 # Integer attributes only, so every intermediate result is an integer the student copies.

@@ -322,7 +322,8 @@ class Evaluator:
         self.tokenizer, self.records = tokenizer, records
         self.greedy = greedy(RolloutConfig(max_turns=cfg.max_turns,
                                            max_new_tokens=cfg.eval_max_new_tokens,
-                                           max_total_len=cfg.max_total_len, batch_size=cfg.eval_batch_size))
+                                           max_total_len=cfg.max_total_len,
+                                           batch_size=cfg.eval_batch_size))
         self.sampled = replace(self.greedy, top_k=0)
         chain = cfg.world == "chain"
         self.check = check_chain_answer if chain else check_answer
