@@ -43,6 +43,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from opd.tool_worker import raised_content
 from worlds.toolcalc.tasks import ENTITIES, ToolStep, answer_text, check_answer
 from worlds.toolcalc.tools import LOOKUP_TABLE, TOOL_FUNCTIONS, TOOL_SCHEMAS, lookup
 
@@ -54,6 +55,7 @@ _START = {"height_m": "Start from the height of {} in meters.",
 _OPERAND = {"height_m": "the height of {} in meters", "founded_year": "the founding year of {}"}
 MAX_MAGNITUDE = 10**7  # results stay at most 4 two-digit chunks long
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+ERROR_LIMIT = 2048  # the observation cap; this world's errors are far shorter
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,8 @@ def chain_oracle_record(task: ChainTask, rng: random.Random | None = None,
                 environment.call(step.name, slipped)
             except ValueError as error:
                 record["messages"] += [dict(_call_message(step, slipped), weight=0),
-                                       {"role": "tool", "content": json.dumps(
-                                           {"error": str(error)})}]
+                                       {"role": "tool", "content": raised_content(
+                                           step.name, error, ERROR_LIMIT)}]
         environment.call(step.name, step.arguments)
         record["messages"] += [_call_message(step), {"role": "tool", "content": step.content}]
     record["messages"].append({"role": "assistant", "content": answer_text(task.answer)})
@@ -178,8 +180,10 @@ def _distance(a: str, b: str) -> int:
 
 
 def _nearest(value: str, known: list[str]) -> str:
-    """The known value closest to `value` by edit distance; the latest one on a tie."""
-    return min(reversed(known), key=lambda candidate: _distance(value, candidate))
+    """The known value closest to `value` by edit distance, then by length (a slip keeps the
+    length), then the latest one."""
+    return min(reversed(known), key=lambda candidate: (_distance(value, candidate),
+                                                       abs(len(value) - len(candidate))))
 
 
 class ChainEnvironment:

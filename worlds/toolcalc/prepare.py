@@ -72,7 +72,7 @@ REPO_DIR = RECIPE_DIR.parents[1]
 # Code whose edits change what prepare builds; their text is part of the cache key.
 KEYED_FILES = (*sorted(RECIPE_DIR.glob("*.py")), RECIPE_DIR / "chat_template.jinja",
                *sorted((RECIPE_DIR / "tokenizer").glob("*")),
-               *(REPO_DIR / "opd" / name for name in ("data.py", "chat.py")))
+               *(REPO_DIR / "opd" / name for name in ("data.py", "chat.py", "tool_worker.py")))
 
 
 @dataclass(frozen=True)
