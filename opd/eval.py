@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from collections import defaultdict
@@ -252,6 +253,18 @@ def results_table(rows: dict[str, dict]) -> str:
         cells = (f"{cell(metrics.get(c)):>18}" for c in TABLE_COLUMNS)
         lines.append(f"{label:<9}" + "  ".join(cells))
     return "\n".join(lines)
+
+
+def improvement_line(before: dict, after: dict) -> str:
+    """The trained student's change in success and how many standard errors it is (the two
+    evals' binomial errors combined as if independent: conservative, they share their tasks)."""
+    p_before, p_after = before["success_rate"], after["success_rate"]
+    se = math.sqrt(p_before * (1 - p_before) / before["num_tasks"]
+                   + p_after * (1 - p_after) / after["num_tasks"])
+    change = p_after - p_before
+    sigmas = f"{change / se:+.1f} standard errors" if se > 0 else "no spread to compare"
+    return (f"after - before: {change:+.3f} success on {after['num_tasks']} held-out tasks "
+            f"({sigmas})")
 
 
 # Command-line flags that set a config key; None (the default) keeps the recipe's value.
