@@ -1,8 +1,14 @@
-"""Quality study on toolcalc: does on-policy distillation beat the cheaper things a user tries?
+"""Quality study: does on-policy distillation beat the cheaper things a user tries?
 
     python bench/quality.py [--methods all] [--seeds 0,1,2] [--steps 300] [--eval-every 50]
                             [--jobs 2] [--out runs/quality] [section.key=value ...]
     python bench/quality.py --report-only [--out runs/quality]
+
+The chain world (worlds/toolcalc/chain.py: long dependent chains, informative rejections, a
+teacher trained on recoveries the distiller never sees) is its own recipe:
+
+    python bench/quality.py --recipe recipes/toolcalc_chain.yaml --out runs/quality_chain \
+        --seeds 0,1,2 --jobs 2
 
 The harder world (three_hop tasks too, four assistant turns) is the same recipe with its
 prepare step and turn limit overridden:
@@ -24,6 +30,13 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
     gkd_mix         half of the steps on-policy, half on the teacher-written conversations
     gkd_mix_oracle  half of the steps on-policy, half on the dataset's oracle conversations
                     (the default recipe)
+    rl              the task reward alone (GRPO groups of 4, no teacher)
+    opd_reward      the sampled-token reverse KL plus the task reward (groups of 4)
+    opd_sampled     the sampled-token reverse KL alone (the teacher read at sampled tokens)
+    opd_topk20/64   forward KL against the teacher's top 20 / 64 with a tail bucket
+
+The oracle arms ("if you also have demonstrations") train on the prepared world's clean
+demonstrations (data/train.jsonl); every other method has prompts, environment and teacher only.
 
 Teacher-written conversations are sampled once per sampling seed from the teacher on the
 recipe's training prompts at the recipe's rollout temperature, tools executed in the sandbox,
@@ -38,8 +51,9 @@ measured on a validation split of freshly generated toolcalc tasks (disjoint fro
 training and prompt tasks), and held-out greedy success is measured once, on the final student.
 
 Writes under --out: `results.jsonl` (one line per method and seed; rerunning skips pairs already
-there), `quality.md` (the tables), `quality.png` (validation success against steps per method,
-mean over seeds) and each run's directory under `runs/`. Long (minutes per run): never part of
+there), `quality.md` (the tables and the targets, bench/quality_report.py), `quality.png`
+(validation success against steps and against student episodes, mean over seeds) and each
+run's directory under `runs/`. Long (minutes per run): never part of
 the test suite.
 """
 
@@ -49,13 +63,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from quality_report import read_results, report  # bench/ is on sys.path when run as a script
 
 # Before torch loads OpenMP: threads that spin while waiting for work steal the cores of other
 # ranks and tool workers on a shared host (a CPU step measured 5x slower); sleeping costs little.
@@ -64,20 +79,44 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "toolcalc_tiny.yaml"
 TEACHER_CONVERSATIONS = "{teacher_conversations}"
+ORACLE = "{oracle}"  # the prepared world's clean demonstrations, data/train.jsonl
 # Explicit: the recipe's own default is the GKD mix, which would silently turn OPD into it.
 ON_POLICY = "loss.off_policy_fraction=0.0"
+SAMPLES_PER_PROMPT = 4
+GROUP_PROMPTS = "{group_prompts}"  # the recipe's prompts per step / SAMPLES_PER_PROMPT
+GROUPS = (f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}",
+          f"train.prompts_per_step={GROUP_PROMPTS}")
 # method -> the config overrides that make it (on top of the recipe and the study's own)
 METHODS = {
     "opd_forward_kl": ["loss.direction=forward_kl", ON_POLICY],
     "opd_reverse_kl": ["loss.direction=reverse_kl", ON_POLICY],
     "opd_jsd": ["loss.direction=jsd", "loss.beta=0.5", ON_POLICY],
     "kd_teacher": ["loss.off_policy_fraction=1.0", f"data.completions={TEACHER_CONVERSATIONS}"],
-    "kd_oracle": ["loss.off_policy_fraction=1.0"],
+    "kd_oracle": ["loss.off_policy_fraction=1.0", f"data.completions={ORACLE}"],
     "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",
                     f"data.completions={TEACHER_CONVERSATIONS}"],
-    "sft_oracle": ["loss.direction=sft", "loss.off_policy_fraction=1.0"],
+    "sft_oracle": ["loss.direction=sft", "loss.off_policy_fraction=1.0",
+                   f"data.completions={ORACLE}"],
     "gkd_mix": ["loss.off_policy_fraction=0.5", f"data.completions={TEACHER_CONVERSATIONS}"],
-    "gkd_mix_oracle": ["loss.off_policy_fraction=0.5"],
+    "gkd_mix_oracle": ["loss.off_policy_fraction=0.5", f"data.completions={ORACLE}"],
+    # Pure RL and OPD plus reward, as recipes/toolcalc_rl.yaml and toolcalc_opd_reward.yaml (their
+    # learning rates were picked on toolcalc's validation split): groups of 4 samples of a quarter
+    # of the prompts, so a step samples as many episodes as the others.
+    "rl": ["loss.direction=sampled_reverse_kl", "loss.distill_weight=0.0",
+           "loss.reward_weight=1.0", "loss.advantage_norm=mean_std", "loss.importance_cap=2.0",
+           "optim.lr=2.0e-4", ON_POLICY, *GROUPS],
+    "opd_reward": ["loss.direction=sampled_reverse_kl", "loss.kl_estimator=k1",
+                   "loss.reward_weight=0.5", "loss.advantage_norm=mean_std",
+                   "loss.importance_cap=2.0", "optim.lr=5.0e-4", ON_POLICY, *GROUPS],
+    # The sampled-token estimator alone (the teacher read at the student's token only).
+    "opd_sampled": ["loss.direction=sampled_reverse_kl", "loss.kl_estimator=k1",
+                    "loss.importance_cap=2.0", "optim.lr=5.0e-4", ON_POLICY],
+    # Forward KL against the teacher's top-k with a tail bucket: what a served teacher's top-k
+    # payload gives (equal to the served scores to 1e-4, tests/test_served_teacher*.py).
+    "opd_topk20": ["loss.direction=forward_kl", "teacher.signal=topk", "teacher.top_k=20",
+                   ON_POLICY],
+    "opd_topk64": ["loss.direction=forward_kl", "teacher.signal=topk", "teacher.top_k=64",
+                   ON_POLICY],
 }
 # Seeds of generate_tasks that prepare does not use (it uses seed + 1..3 with seed 0).
 VALIDATION_SEED = 1000
@@ -160,22 +199,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_validation_split(config, out: Path, count: int) -> Path:
-    """`count` new toolcalc tasks, none of them a held-out, training or prompt question."""
+    """`count` new tasks of the prepared world, none of them a held-out, training or prompt
+    question."""
     from opd.data import load_jsonl, write_jsonl
+    from worlds.toolcalc.chain import chain_record, generate_chain_tasks
     from worlds.toolcalc.tasks import generate_tasks, task_record
 
     path = out / f"validation_{count}.jsonl"
     if not path.is_file():
+        root = Path(config.model.student).parent
         seen = frozenset(record["messages"][0]["content"]
                          for data in (config.data.eval, config.data.prompts,
-                                      config.data.completions)
+                                      root / "data" / "train.jsonl")
                          for record in load_jsonl(data))
-        # The prepared world's families (the harder world adds three_hop).
-        world = json.loads((Path(config.model.student).parent / "prepare.json").read_text())
-        families = {"families": tuple(world["config"]["families"]),
-                    "weights": tuple(world["config"]["family_weights"])}
-        write_jsonl(path, [task_record(task) for task in
-                           generate_tasks(count, VALIDATION_SEED, exclude=seen, **families)])
+        world = json.loads((root / "prepare.json").read_text())["config"]
+        if world.get("world") == "chain":
+            records = [chain_record(task) for task in
+                       generate_chain_tasks(count, VALIDATION_SEED, exclude=seen)]
+        else:  # the prepared world's families (the harder world adds three_hop)
+            families = {"families": tuple(world["families"]),
+                        "weights": tuple(world["family_weights"])}
+            records = [task_record(task) for task in
+                       generate_tasks(count, VALIDATION_SEED, exclude=seen, **families)]
+        write_jsonl(path, records)
     return path
 
 
@@ -273,7 +319,11 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
     from opd.metrics import read_metrics
 
     run_dir = out / "runs" / f"{method}-seed{seed}"
-    overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data)) for o in METHODS[method]]
+    group_prompts = str(max(1, config.train.prompts_per_step // SAMPLES_PER_PROMPT))
+    overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
+                 .replace(GROUP_PROMPTS, group_prompts)
+                 .replace(ORACLE, str(Path(config.model.student).parent / "data" / "train.jsonl"))
+                 for o in METHODS[method]]
     overrides += [
         f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
@@ -291,6 +341,11 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
     records = read_metrics(run_dir / "metrics.jsonl")
     heldout = evaluate_on(config, plugins, run_dir / "final", config.data.eval)
     curve = [(r["step"], r["eval_success_rate"]) for r in records if "eval_success_rate" in r]
+    episodes, samples_curve = 0, []  # validation success against on-policy episodes sampled
+    for r in records:
+        episodes += 0 if r["off_policy"] else r["conversations"]
+        if "eval_success_rate" in r:
+            samples_curve.append((episodes, r["eval_success_rate"]))
     return {
         "method": method, "seed": seed, "steps": steps, "overrides": overrides,
         "heldout_success": heldout["success_rate"],
@@ -298,132 +353,16 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         "heldout_truncation_rate": heldout["truncation_rate"],
         "heldout_per_group": {group: rates["success_rate"]
                               for group, rates in heldout.get("per_group", {}).items()},
-        "heldout": heldout, "validation_curve": curve,
+        "heldout_rejected_call_rate": heldout.get("rejected_call_rate"),
+        "heldout_success_after_rejection": heldout.get("success_after_rejection"),
+        "heldout": heldout, "validation_curve": curve, "samples_curve": samples_curve,
+        "student_episodes": episodes,
         "student_tokens_trained": sum(r["target_tokens"] for r in records),
         "teacher_tokens_scored": sum(r["teacher_tokens"] for r in records),
         "rollout_s": round(sum(r["rollout_s"] for r in records), 1),
         "train_steps_s": round(sum(r["step_s"] for r in records), 1),
         "wall_s": round(wall_s, 1), "jobs": args.jobs,
     }
-
-
-def read_results(out: Path) -> list[dict]:
-    path = out / "results.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def mean_std(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
-def report(out: Path) -> None:
-    """quality.md and quality.png from results.jsonl."""
-    results = read_results(out)
-    if not results:
-        sys.exit(f"error: {out / 'results.jsonl'} holds no results yet.")
-    by_method: dict[str, list[dict]] = {}
-    for result in results:
-        by_method.setdefault(result["method"], []).append(result)
-    references = results[-1]["references"]
-    groups = sorted(references["teacher"]["heldout"]["per_group"])
-    lines = [
-        f"Held-out greedy success on {references['teacher']['heldout']['num_tasks']} toolcalc "
-        f"tasks after {results[0]['steps']} optimizer steps (mean ± std over seeds).",
-        "",
-        "| method | seeds | held-out success | tool-call validity | truncation | "
-        "student tokens trained | teacher tokens scored | wall s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name in ("teacher", "student"):
-        held = references[name]["heldout"]
-        label = "teacher" if name == "teacher" else "warm student (start)"
-        lines.append(f"| {label} | | {held['success_rate']:.3f} | "
-                     f"{held['tool_call_validity']:.3f} | {held['truncation_rate']:.3f} | | | |")
-    for method, runs in by_method.items():
-        lines.append(
-            f"| {method} | {len(runs)} | {mean_std([r['heldout_success'] for r in runs])} | "
-            f"{mean_std([r['heldout_tool_call_validity'] for r in runs])} | "
-            f"{mean_std([r['heldout_truncation_rate'] for r in runs])} | "
-            f"{statistics.mean(r['student_tokens_trained'] for r in runs):,.0f} | "
-            f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
-            f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
-    lines += ["", "Held-out success per task group (mean over seeds):", "",
-              "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
-    for name in ("teacher", "student"):
-        per_group = references[name]["heldout"]["per_group"]
-        lines.append(f"| {name} | " + " | ".join(f"{per_group[g]['success_rate']:.3f}"
-                                                  for g in groups) + " |")
-    for method, runs in by_method.items():
-        lines.append(f"| {method} | " + " | ".join(
-            f"{statistics.mean(r['heldout_per_group'].get(g, 0.0) for r in runs):.3f}"
-            for g in groups) + " |")
-    lines += ["", "The student's own rollouts during on-policy steps (from the metrics.jsonl of "
-              "each run whose directory is under --out; mean over those runs): tool calls that "
-              "were invalid or failed per conversation, and the truncation rate, over the first "
-              "and the last 50 steps:", "",
-              "| method | runs | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
-              "last 50 |", "|---|---|---|---|---|---|"]
-    for method, runs in by_method.items():
-        phases = [on_policy_errors(out / "runs" / f"{method}-seed{r['seed']}" / "metrics.jsonl")
-                  for r in runs]
-        measured = [phase for phase in phases if phase is not None]
-        if measured:
-            lines.append(f"| {method} | {len(measured)} | " + " | ".join(
-                f"{statistics.mean(phase[i] for phase in measured):.3f}" for i in range(4)) + " |")
-    (out / "quality.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    plot(by_method, references, out / "quality.png")
-
-
-def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | None:
-    """(bad calls per conversation, truncation rate) of the on-policy steps among the first and
-    the last `window` steps: (bad first, bad last, truncated first, truncated last)."""
-    if not metrics.is_file():
-        return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    first = [r for r in records[:window] if not r["off_policy"]]
-    last = [r for r in records[-window:] if not r["off_policy"]]
-    if not first or not last:
-        return None
-
-    def bad(steps: list[dict]) -> float:
-        return sum(r["invalid_tool_calls"] + r["failed_tool_calls"] for r in steps) \
-            / sum(r["conversations"] for r in steps)
-
-    def truncated(steps: list[dict]) -> float:
-        return statistics.mean(r["truncation_rate"] for r in steps)
-
-    return bad(first), bad(last), truncated(first), truncated(last)
-
-
-def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None:
-    """Validation success against steps, mean over seeds, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    start = references["student"]["validation"]["success_rate"]
-    for method, runs in by_method.items():
-        curves = [dict(r["validation_curve"]) for r in runs if r["validation_curve"]]
-        if not curves:
-            continue
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        means = [statistics.mean(c[s] for c in curves) for s in steps]
-        axes.plot([0, *steps], [start, *means], marker="o", label=f"{method} (n={len(curves)})")
-    axes.axhline(references["teacher"]["validation"]["success_rate"], color="k", linestyle="--",
-                 label="teacher")
-    axes.set_xlabel("optimizer step")
-    axes.set_ylabel("validation greedy success")
-    axes.set_title("toolcalc: success against steps (mean over seeds)")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 A checker is `check(final_text, record) -> bool` (`AnswerChecker`), or, to judge a stateful
 environment's episode too, `check(final_text, record, episode) -> bool` (`EpisodeChecker`), where
 `episode` is an `EpisodeOutcome`. Which of the two a checker is, is read from its signature: a
-third positional parameter (or *args) makes it an episode checker.
+third positional parameter (or *args) makes it an episode checker. Optional attributes:
+`accuracy_name` (eval reports answer accuracy under that name too) and `forgives_failed_calls`
+(a rejected or failed call the episode recovered from does not fail its task).
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ class OverBudgetError(DatasetError):
 def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
                           tools: Sequence[dict] | None = None,
                           tools_by_turn: Sequence | None = None, max_tokens: int | None = None):
-    """A whole conversation as an `AgentTrajectory`: assistant turns are targets, the rest context.
+    """A whole conversation as an `AgentTrajectory`: assistant turns are targets (but those with
+    `"weight": 0`), the rest context.
 
     Built the way a rollout builds one, so SFT and off-policy batches train on the IDs the
     student would hold: the prompt from the template with the generation prompt; each assistant
@@ -238,7 +239,7 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
         history = _assistant_window(messages, index, last_user) if turn > 0 \
             else messages[:index]
         text, stop_id = _assistant_text(chat, history, messages[index], offered)
-        trajectory.append(chat.encode(text) + [stop_id], "assistant")
+        trajectory.append(chat.encode(text) + [stop_id], _assistant_kind(messages[index], turn))
         trajectory.turns += 1
         trajectory.tool_calls += len(messages[index].get("tool_calls") or [])
         if max_tokens is not None and len(trajectory.input_ids) > max_tokens:
@@ -246,6 +247,17 @@ def completion_trajectory(chat_or_tokenizer, messages: Sequence[dict],
                 f"the conversation is already {len(trajectory.input_ids)} tokens at its "
                 f"assistant turn {turn + 1} of {len(assistant_at)}")
     return trajectory
+
+
+def _assistant_kind(message: dict, turn: int) -> str:
+    """"assistant" (a target) unless the message says `"weight": 0` (OpenAI's fine-tuning
+    convention): then the turn is context the model reads but is not trained to write, such as
+    a demonstrated mistake that a correction follows."""
+    weight = message.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise DatasetError(f"assistant message {turn + 1} has weight {weight!r}; use 0 (context, "
+                           "not trained on) or 1 (the default).")
+    return "assistant" if weight == 1 else "assistant_context"
 
 
 def _assistant_window(messages: list[dict], index: int, last_user: int) -> list[dict]:

@@ -1,7 +1,9 @@
 """Success-rate eval: roll a model out on a dataset of tasks and check its final answers.
 
 A task succeeds when the final assistant turn passes the answer checker, every tool call in the
-conversation was valid and ran, and nothing was truncated. Works for any Hugging Face causal LM
+conversation was valid and ran (unless the checker has `forgives_failed_calls = True`: a world
+whose tools reject calls informatively, where recovering is part of the task), and nothing was
+truncated. Works for any Hugging Face causal LM
 directory (its tokenizer and chat template included), any JSONL dataset in the `opd.data` form
 and any checker `check(final_text, record) -> bool`.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from collections import defaultdict
@@ -155,7 +158,9 @@ def _outcome(record: dict, trajectory, tokenizer, check: Checker) -> dict:
     correct = bool(call_checker(check, text, record, episode))
     return {
         "group": record.get(GROUP_KEY), "correct": correct, "calls_ok": calls_ok,
-        "truncated": trajectory.truncated, "success": correct and calls_ok and not trajectory.truncated,
+        "truncated": trajectory.truncated,
+        "success": correct and not trajectory.truncated
+        and (calls_ok or getattr(check, "forgives_failed_calls", False)),
         "valid_calls": counts.valid, "all_calls": counts.valid + counts.invalid + counts.failed,
         "turns": trajectory.turns, "tokens": len(trajectory.input_ids),
         "generated_tokens": sum(trajectory.assistant_mask),
@@ -206,8 +211,14 @@ def _rates(outcomes: list[dict]) -> dict:
     def mean(key: str) -> float:
         return sum(float(o[key]) for o in outcomes) / count
 
+    rejected = [o for o in outcomes if o["all_calls"] > o["valid_calls"]]
     return {
         "num_tasks": count, "success_rate": mean("success"), "answer_accuracy": mean("correct"),
+        # Tasks with at least one refused or failed call, and how many of those still succeeded
+        # (a recovery, where the checker forgives rejected calls).
+        "rejected_call_rate": len(rejected) / count,
+        "success_after_rejection": sum(o["success"] for o in rejected) / len(rejected)
+        if rejected else None,
         "tool_call_validity": sum(o["valid_calls"] for o in outcomes) / all_calls
         if all_calls else None,
         "truncation_rate": mean("truncated"), "mean_turns": mean("turns"),
@@ -242,6 +253,18 @@ def results_table(rows: dict[str, dict]) -> str:
         cells = (f"{cell(metrics.get(c)):>18}" for c in TABLE_COLUMNS)
         lines.append(f"{label:<9}" + "  ".join(cells))
     return "\n".join(lines)
+
+
+def improvement_line(before: dict, after: dict) -> str:
+    """The trained student's change in success and how many standard errors it is (the two
+    evals' binomial errors combined as if independent: conservative, they share their tasks)."""
+    p_before, p_after = before["success_rate"], after["success_rate"]
+    se = math.sqrt(p_before * (1 - p_before) / before["num_tasks"]
+                   + p_after * (1 - p_after) / after["num_tasks"])
+    change = p_after - p_before
+    sigmas = f"{change / se:+.1f} standard errors" if se > 0 else "no spread to compare"
+    return (f"after - before: {change:+.3f} success on {after['num_tasks']} held-out tasks "
+            f"({sigmas})")
 
 
 # Command-line flags that set a config key; None (the default) keeps the recipe's value.

@@ -37,7 +37,7 @@ from opd.backends import check_student
 from opd.config import Config, load_config, to_yaml
 from opd.dist import World, barrier, init_world, shutdown
 from opd.errors import OPDError
-from opd.eval import evaluate_model, results_table, spec_from_config
+from opd.eval import evaluate_model, improvement_line, results_table, spec_from_config
 from opd.inputs import RunInputs, load_inputs
 from opd.plugins import Plugins, prepared, resolve_plugins
 from opd.sampling.base import sampler_class
@@ -105,6 +105,8 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
     if rows:  # rank 0 only: the others evaluate nothing
         (config.run_dir / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(results_table(rows), flush=True)
+        if "before" in rows and "after" in rows:
+            print(improvement_line(rows["before"], rows["after"]), flush=True)
     barrier()
     return rows
 

@@ -115,7 +115,13 @@ def _call_tool(call: Callable[[], Any], name: str, limit: int, memory_mb: int,
         return "failed", error_content(
             f"tool {name!r} ran out of memory (limit {memory_mb} MB)", limit)
     except BaseException as exc:  # a tool's SystemExit or KeyboardInterrupt is its own fault too
-        return "failed", error_content(f"tool {name!r} raised {_describe_exception(exc)}", limit)
+        return "failed", raised_content(name, exc, limit)
+
+
+def raised_content(name: str, exc: BaseException, limit: int) -> str:
+    """The observation of a call of tool `name` that raised `exc`: what the student reads (a
+    world writing demonstrations of rejected calls uses it to show the same text)."""
+    return error_content(f"tool {name!r} raised {_describe_exception(exc)}", limit)
 
 
 def _limit_address_space(memory_mb: int) -> None:

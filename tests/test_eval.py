@@ -11,7 +11,7 @@ from scripted_model import ScriptedPolicy
 
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
-from opd.eval import evaluate, greedy, main, summarize
+from opd.eval import evaluate, greedy, improvement_line, main, summarize
 from worlds.toolcalc.tasks import answer_text, check_answer, generate_tasks, task_record
 from worlds.toolcalc.tokenizer import load_tokenizer
 
@@ -99,6 +99,19 @@ def test_summarize_aggregates_like_a_naive_reference():
     assert metrics["per_group"]["b"]["success_rate"] == 0.0
     assert metrics["per_group"]["a"]["num_tasks"] == 1
     assert [s["question"] for s in metrics["samples"]] == ["q1", "q2", "q3"]
+    assert metrics["rejected_call_rate"] == pytest.approx(1 / 3)  # only q2 had a rejected call
+    assert metrics["success_after_rejection"] == 0.0
+    assert metrics["per_group"]["a"]["success_after_rejection"] is None
+
+
+def test_the_improvement_line_counts_standard_errors_of_the_difference():
+    before = {"success_rate": 0.5, "num_tasks": 400}
+    after = {"success_rate": 0.6, "num_tasks": 400}
+    # sqrt(.25/400 + .24/400) = 0.035: a +0.100 change is 2.9 standard errors.
+    assert improvement_line(before, after) == \
+        "after - before: +0.100 success on 400 held-out tasks (+2.9 standard errors)"
+    assert "no spread" in improvement_line({"success_rate": 1.0, "num_tasks": 10},
+                                           {"success_rate": 1.0, "num_tasks": 10})
 
 
 def test_a_checkers_accuracy_is_reported_under_its_name_beside_success():

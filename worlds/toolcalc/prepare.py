@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -36,6 +37,13 @@ from opd.config import RolloutConfig
 from opd.data import completion_trajectory, load_jsonl, write_jsonl
 from opd.eval import evaluate, greedy
 from opd.tools import ToolExecutor
+from worlds.toolcalc.chain import (
+    ChainEnvironment,
+    chain_oracle_record,
+    chain_record,
+    check_chain_answer,
+    generate_chain_tasks,
+)
 from worlds.toolcalc.models import (
     STUDENT,
     TEACHER,
@@ -64,7 +72,7 @@ REPO_DIR = RECIPE_DIR.parents[1]
 # Code whose edits change what prepare builds; their text is part of the cache key.
 KEYED_FILES = (*sorted(RECIPE_DIR.glob("*.py")), RECIPE_DIR / "chat_template.jinja",
                *sorted((RECIPE_DIR / "tokenizer").glob("*")),
-               *(REPO_DIR / "opd" / name for name in ("data.py", "chat.py")))
+               *(REPO_DIR / "opd" / name for name in ("data.py", "chat.py", "tool_worker.py")))
 
 
 @dataclass(frozen=True)
@@ -94,10 +102,17 @@ class PrepareConfig:
     family_weights: tuple[float, ...] = FAMILY_WEIGHTS
     max_turns: int = 3
     eval_max_new_tokens: int = 64
+    max_total_len: int = 512
     eval_batch_size: int = 100
     # One thread: on an idle 2-core machine two are ~1.4x faster, but on a shared one they
     # oversubscribe the cores and SFT steps slow down tenfold.
     threads: int = 1
+    # "toolcalc" or "chain" (worlds.toolcalc.chain): in the chain world the teacher trains on
+    # demonstrations with slips at `slip_rate` per call and their corrections
+    # (data/teacher_train.jsonl, never given to the distiller); the student's warm start and the
+    # oracle arm (data/train.jsonl) are clean.
+    world: str = "toolcalc"
+    slip_rate: float = 0.3
 
 
 # The worlds of the earlier studies (BENCHMARKS.md): the first, with a 600-step warm start; the
@@ -107,6 +122,12 @@ WEAK_START_CONFIG = PrepareConfig(student_steps=600)
 START_1000_CONFIG = PrepareConfig(student_steps=1000)
 HARD_CONFIG = PrepareConfig(families=HARD_FAMILIES, family_weights=HARD_FAMILY_WEIGHTS,
                             max_turns=4, student_steps=600)
+# The chain world (worlds.toolcalc.chain): 400 held-out tasks (the study's standard errors), room
+# for 7 calls plus recoveries. The teacher's chains are longer than toolcalc's conversations, so
+# fewer steps see as many target tokens.
+CHAIN_CONFIG = PrepareConfig(world="chain", heldout_tasks=400, max_turns=12, max_total_len=768,
+                             teacher_steps=2000, teacher_extra_rounds=1, target_success=0.85,
+                             student_steps=1000)
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -138,6 +159,11 @@ class Prepared:
     @property
     def train_data(self) -> Path:
         return self.root / "data" / "train.jsonl"
+
+    @property
+    def teacher_train_data(self) -> Path:
+        """The teacher's own training data (the chain world's, with slips and corrections)."""
+        return self.root / "data" / "teacher_train.jsonl"
 
     @property
     def heldout_data(self) -> Path:
@@ -177,6 +203,8 @@ def _prepare_step(cfg: PrepareConfig, doc: str) -> Callable[..., Prepared | None
 # `prepare=worlds.toolcalc.prepare:<name>`.
 prepare_hard = _prepare_step(HARD_CONFIG, "The harder world (HARD_CONFIG); with "
                                           "rollout.max_turns=4.")
+prepare_chain = _prepare_step(CHAIN_CONFIG, "The chain world (worlds.toolcalc.chain); with "
+                                            "its recipe, recipes/toolcalc_chain.yaml.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 
@@ -197,25 +225,52 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     started = time.perf_counter()
     shutil.copytree(TOKENIZER_DIR, out.tokenizer)
     tokenizer = load_tokenizer(out.tokenizer)
+    out.train_data.parent.mkdir(parents=True)
+    (_write_chain_data if cfg.world == "chain" else _write_toolcalc_data)(cfg, out)
+    report = {"config": asdict(cfg), "key": out.root.name.split(".")[0]}
+
+    chat = ChatFormat(tokenizer)
+
+    def conversations(path: Path) -> list:
+        return [completion_trajectory(chat, r["messages"], r["tools"])
+                for r in tqdm(load_jsonl(path), desc="render SFT data", leave=False)]
+
+    student_data = conversations(out.train_data)
+    teacher_data = conversations(out.teacher_train_data) if out.teacher_train_data.exists() \
+        else student_data
+    with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
+        report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, evaluator, out)
+        report["student"] = _prepare_student(cfg, tokenizer, student_data, evaluator, out)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _write_toolcalc_data(cfg: PrepareConfig, out: Prepared) -> None:
     families = {"families": cfg.families, "weights": cfg.family_weights}
     heldout = generate_tasks(cfg.heldout_tasks, cfg.seed + 1, **families)
     held_questions = frozenset(task.question for task in heldout)
     train = generate_tasks(cfg.train_tasks, cfg.seed + 2, exclude=held_questions, **families)
     prompts = generate_tasks(cfg.prompt_tasks, cfg.seed + 3, exclude=held_questions, **families)
-    out.train_data.parent.mkdir(parents=True)
     write_jsonl(out.train_data, [oracle_record(task) for task in train])
     write_jsonl(out.heldout_data, [task_record(task) for task in heldout])
     write_jsonl(out.prompts_data, [task_record(task) for task in prompts])
-    report = {"config": asdict(cfg), "key": out.root.name.split(".")[0]}
 
-    chat = ChatFormat(tokenizer)
-    conversations = [completion_trajectory(chat, r["messages"], r["tools"])
-                     for r in tqdm(load_jsonl(out.train_data), desc="render SFT data", leave=False)]
-    with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
-        report["teacher"] = _prepare_teacher(cfg, tokenizer, conversations, evaluator, out)
-        report["student"] = _prepare_student(cfg, tokenizer, conversations, evaluator, out)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
+
+def _write_chain_data(cfg: PrepareConfig, out: Prepared) -> None:
+    """Held-out, prompt and clean demonstration tasks, and the teacher's own demonstrations of
+    other tasks, with slips and corrections (seeds as in `_write_toolcalc_data`, the teacher's
+    tasks seed + 4)."""
+    heldout = generate_chain_tasks(cfg.heldout_tasks, cfg.seed + 1)
+    held_questions = frozenset(task.question for task in heldout)
+    train = generate_chain_tasks(cfg.train_tasks, cfg.seed + 2, exclude=held_questions)
+    prompts = generate_chain_tasks(cfg.prompt_tasks, cfg.seed + 3, exclude=held_questions)
+    teacher = generate_chain_tasks(cfg.train_tasks, cfg.seed + 4, exclude=held_questions)
+    slips = random.Random(cfg.seed + 5)
+    write_jsonl(out.train_data, [chain_oracle_record(task) for task in train])
+    write_jsonl(out.teacher_train_data,
+                [chain_oracle_record(task, slips, cfg.slip_rate) for task in teacher])
+    write_jsonl(out.heldout_data, [chain_record(task) for task in heldout])
+    write_jsonl(out.prompts_data, [chain_record(task) for task in prompts])
 
 
 def _prepare_teacher(cfg, tokenizer, conversations, evaluator, out: Prepared) -> dict:
@@ -267,9 +322,13 @@ class Evaluator:
         self.tokenizer, self.records = tokenizer, records
         self.greedy = greedy(RolloutConfig(max_turns=cfg.max_turns,
                                            max_new_tokens=cfg.eval_max_new_tokens,
-                                           max_total_len=512, batch_size=cfg.eval_batch_size))
+                                           max_total_len=cfg.max_total_len,
+                                           batch_size=cfg.eval_batch_size))
         self.sampled = replace(self.greedy, top_k=0)
-        self.executor = ToolExecutor(toolcalc_registry())
+        chain = cfg.world == "chain"
+        self.check = check_chain_answer if chain else check_answer
+        self.executor = ToolExecutor(toolcalc_registry(),
+                                     environment=ChainEnvironment if chain else None)
 
     def __enter__(self):
         return self
@@ -281,7 +340,7 @@ class Evaluator:
                  records: list[dict] | None = None) -> dict:
 
         chat = ChatFormat(self.tokenizer, generation_config=model.generation_config)
-        metrics = evaluate(model, chat, self.executor, records or self.records, check_answer,
+        metrics = evaluate(model, chat, self.executor, records or self.records, self.check,
                            self.sampled if sampled else self.greedy, progress=desc)
         metrics.pop("samples")
         return metrics
@@ -290,6 +349,8 @@ class Evaluator:
 def main(argv: list[str] | None = None) -> Prepared:
     parser = argparse.ArgumentParser(description="Prepare the toolcalc world (cached).")
     parser.add_argument("--test", action="store_true", help="tiny models and steps (seconds)")
+    parser.add_argument("--chain", action="store_true",
+                        help="the chain world (worlds.toolcalc.chain)")
     parser.add_argument("--hard", action="store_true",
                         help="the harder world (three_hop tasks too)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -297,7 +358,8 @@ def main(argv: list[str] | None = None) -> Prepared:
     parser.add_argument("--cache-dir", help="cache root (default $OPD_CACHE_DIR or "
                                             "~/.cache/opd-recipes)")
     args = parser.parse_args(argv)
-    cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else PrepareConfig()
+    cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else \
+        CHAIN_CONFIG if args.chain else PrepareConfig()
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)

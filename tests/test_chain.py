@@ -1,0 +1,138 @@
+"""The chain world (worlds.toolcalc.chain): gold answers, the environment's rejections, the
+teacher's recovery demonstrations through the real sandbox, weight-0 turns, and success that
+forgives a recovered call."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from opd.chat import ChatFormat
+from opd.data import completion_trajectory
+from opd.errors import DatasetError
+from opd.eval import _outcome
+from opd.tool_calls import ToolCall
+from opd.tools import ToolExecutor
+from opd.trajectory import AgentTrajectory
+from worlds.toolcalc.chain import (
+    CALLS,
+    ChainEnvironment,
+    chain_oracle_record,
+    check_chain_answer,
+    generate_chain_tasks,
+)
+from worlds.toolcalc.tasks import check_answer
+from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
+from worlds.toolcalc.tools import LOOKUP_TABLE
+from worlds.toolcalc.tools import registry as toolcalc_registry
+
+ATTRIBUTES = {"height of": "height_m", "founding year of": "founded_year",
+              "population of": "population"}
+
+
+def naive_answer(question: str) -> int:
+    """The gold answer recomputed from the question text alone."""
+    sentences = re.findall(r"[^.?]+[.?]", question)
+    start = re.fullmatch(r"Start from the (height of|founding year of|population of) (.+?)"
+                         r"(?: in meters)?\.", sentences[0].strip())
+    value = LOOKUP_TABLE[start.group(2)][ATTRIBUTES[start.group(1)]]
+    for sentence in sentences[1:-1]:
+        verb, rest = sentence.strip().rstrip(".").split(" ", 1)
+        if verb == "Multiply":
+            value *= int(rest.removeprefix("by "))
+            continue
+        if rest.isdigit():
+            operand = int(rest)
+        else:
+            place = re.fullmatch(r"the (height of|founding year of) (.+?)(?: in meters)?", rest)
+            operand = LOOKUP_TABLE[place.group(2)][ATTRIBUTES[place.group(1)]]
+        value = value + operand if verb == "Add" else value - operand
+    return value
+
+
+def test_gold_answers_follow_from_the_question_and_every_horizon_occurs():
+    tasks = generate_chain_tasks(300, seed=7)
+    assert {task.calls for task in tasks} == set(CALLS)
+    for task in tasks:
+        assert len(task.steps) == task.calls and task.family == f"chain_{task.calls}"
+        assert task.answer == naive_answer(task.question), task.question
+    assert generate_chain_tasks(20, seed=7) == tasks[:20]
+
+
+def test_environment_rejects_numbers_it_never_showed_and_names_the_nearest():
+    environment = ChainEnvironment({"stated": [37, 3]})
+    assert environment.call("lookup", {"entity": "Veltrane", "attribute": "height_m"}) \
+        == {"result": 2984}
+    with pytest.raises(ValueError, match=r"^unknown number 2948; did you mean 2984\?$"):
+        environment.call("calculator", {"expression": "2948 + 37"})
+    with pytest.raises(ValueError, match=r"^unknown number 38; did you mean 37\?$"):
+        environment.call("calculator", {"expression": "2984 + 38"})
+    assert environment.call("calculator", {"expression": "2984 + 37"}) == {"result": 3021}
+    assert environment.call("calculator", {"expression": "3021 * 3"}) == {"result": 9063}
+    with pytest.raises(ValueError, match=r"^unknown place Veltrene; did you mean Veltrane\?$"):
+        environment.call("lookup", {"entity": "Veltrene", "attribute": "height_m"})
+    with pytest.raises(ValueError, match="stated"):
+        ChainEnvironment({})
+
+
+def _calls(message: dict) -> list[ToolCall]:
+    return [ToolCall(call["function"]["name"], call["function"]["arguments"])
+            for call in message["tool_calls"]]
+
+
+def test_recovery_demonstrations_replay_byte_for_byte_in_the_sandbox():
+    """The teacher's demonstrations hold exactly what the sandboxed environment answers, slips
+    and their rejections included, so it learns the rejections students will see."""
+    rng = random.Random(3)
+    records = [chain_oracle_record(task, rng, slip_rate=0.5)
+               for task in generate_chain_tasks(6, seed=11)]
+    assert any(m.get("weight") == 0 for record in records for m in record["messages"])
+    with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
+        episodes = executor.open_episodes([r["environment"] for r in records],
+                                          [r["tools"] for r in records])
+        for episode, record in zip(episodes, records):
+            messages = record["messages"]
+            for at, message in enumerate(messages):
+                if message["role"] != "assistant" or "tool_calls" not in message:
+                    continue
+                [result] = executor.run_episode_calls({episode: _calls(message)})[episode]
+                assert result.content == messages[at + 1]["content"]
+                assert result.status == ("failed" if message.get("weight") == 0 else "ok")
+            executor.close_episode(episode)
+    assert all(check_chain_answer(r["messages"][-1]["content"], r) for r in records)
+
+
+def test_weight_zero_turns_are_read_but_never_trained_on():
+    record = chain_oracle_record(generate_chain_tasks(1, seed=5)[0], random.Random(0), 1.0)
+    chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
+    trajectory = completion_trajectory(chat, record["messages"], record["tools"])
+    kinds = [kind for _, _, kind in trajectory.spans if kind.startswith("assistant")]
+    weights = [m.get("weight", 1) for m in record["messages"] if m["role"] == "assistant"]
+    assert kinds == ["assistant" if w else "assistant_context" for w in weights]
+    assert "assistant_context" in kinds
+    for start, end, kind in trajectory.spans:
+        assert all(trajectory.assistant_mask[start:end]) == (kind == "assistant")
+    slipped = [dict(m, weight=2) if m.get("weight") == 0 else m for m in record["messages"]]
+    with pytest.raises(DatasetError, match="assistant message 1 has weight 2; use 0"):
+        completion_trajectory(chat, slipped, record["tools"])
+
+
+def test_success_forgives_a_recovered_call_only_where_the_checker_says_so():
+    record = {"messages": [{"role": "user", "content": "q"}], "answer": 12}
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    trajectory = AgentTrajectory.from_prompt(tokenizer.encode("q"))
+    trajectory.append(tokenizer.encode("The answer is 12."), "assistant")
+    trajectory.counts.valid, trajectory.counts.failed = 3, 1
+    assert _outcome(record, trajectory, tokenizer, check_chain_answer)["success"]
+    assert not _outcome(record, trajectory, tokenizer, check_answer)["success"]
+    trajectory.append(tokenizer.encode("The answer is 13."), "assistant")
+    assert not _outcome(record, trajectory, tokenizer, check_chain_answer)["success"]
+
+
+def test_chain_records_are_plain_dataset_lines():
+    record = chain_oracle_record(generate_chain_tasks(1, seed=2)[0])
+    assert json.loads(json.dumps(record)) == record
+    assert record["family"].startswith("chain_") and "stated" in record["environment"]

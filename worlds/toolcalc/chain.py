@@ -1,0 +1,234 @@
+"""The chain world: long tool-call chains where a student's own slips compound, and a teacher
+that learned to recover from them on data the distiller never sees.
+
+Why it exists: on the plain toolcalc world a student learns everything from demonstrations
+alone, so on-policy data never beats off-policy data there (BENCHMARKS.md, quality study).
+This world adds the three properties under which the literature expects on-policy distillation
+to pay, each for a stated reason:
+
+- **Compounding horizon.** A task is a chain of 3-7 dependent tool calls ("start from the height
+  of Veltrane in meters, add 37, subtract the founding year of Ixmoor, multiply by 3"): every
+  calculator call copies the previous result, so one slip early poisons every later step unless
+  it is caught. Per-call slips of a small student multiply over the horizon.
+- **Informative rejections.** The episode is stateful (`ChainEnvironment`): it knows every value
+  the question states and every result returned so far, and rejects a calculator expression
+  holding any other number, or a lookup of an unknown place, with an error naming the nearest
+  known value ("unknown number 19355; did you mean 19335?"). A slip becomes a state the
+  episode can recover from, but only a model that has learned to read that error and retry
+  does.
+- **Knowledge the distiller cannot read.** The teacher is trained on demonstrations with
+  injected slips followed by their rejection and the corrected call (the slipped turn carries
+  `"weight": 0`, so the teacher learns to recover, not to slip). The distiller never receives
+  those demonstrations: it has prompts, the environment and the teacher. The teacher rarely
+  slips when it writes conversations itself, so conversations it writes show few recoveries,
+  while on-policy rollouts of the student reach its own slips, and the teacher scores the
+  recovery there.
+- **Capacity.** The student (189k parameters) is ~3x smaller than the teacher (604k) and copies
+  numbers less reliably.
+
+The student's warm start stands for the small model's pretraining: clean demonstrations of the
+chain tasks (never a failed call), the same for every method. Success is the final answer
+within the turn limit; a rejected call the episode recovered from does not fail it
+(`check_chain_answer.forgives_failed_calls`).
+
+Tasks are written in the same JSONL form as toolcalc's (`messages`, `tools`, `answer`), plus
+`environment` (the values the question states) and `family` ("chain_<calls>", so evaluation
+reports success by horizon).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+
+from opd.tool_worker import raised_content
+from worlds.toolcalc.tasks import ENTITIES, ToolStep, answer_text, check_answer
+from worlds.toolcalc.tools import LOOKUP_TABLE, TOOL_FUNCTIONS, TOOL_SCHEMAS, lookup
+
+CALLS = (3, 4, 5, 6, 7)  # tool calls per chain: the horizons
+# Integer attributes only, so every intermediate result is an integer the student copies.
+_START = {"height_m": "Start from the height of {} in meters.",
+          "founded_year": "Start from the founding year of {}.",
+          "population": "Start from the population of {}."}
+_OPERAND = {"height_m": "the height of {} in meters", "founded_year": "the founding year of {}"}
+MAX_MAGNITUDE = 10**7  # results stay at most 4 two-digit chunks long
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+ERROR_LIMIT = 2048  # the observation cap; this world's errors are far shorter
+
+
+@dataclass(frozen=True)
+class ChainTask:
+    calls: int
+    question: str
+    stated: tuple[int, ...]  # numbers the question states (the environment's first known values)
+    steps: tuple[ToolStep, ...]
+    answer: int
+
+    @property
+    def family(self) -> str:
+        return f"chain_{self.calls}"
+
+
+def _step(name: str, **arguments) -> tuple[ToolStep, int]:
+    result = TOOL_FUNCTIONS[name](**arguments)
+    return ToolStep(name, arguments, json.dumps(result)), result["result"]
+
+
+def chain_task(rng: random.Random, calls: int) -> ChainTask:
+    """A chain of exactly `calls` tool calls: a lookup, then calculator steps on the running
+    result, some of which first look up another place's attribute to combine with."""
+    entity, attribute = rng.choice(ENTITIES), rng.choice(tuple(_START))
+    step, value = _step("lookup", entity=entity, attribute=attribute)
+    sentences, steps, stated = [_START[attribute].format(entity)], [step], []
+    while len(steps) < calls:
+        if calls - len(steps) >= 2 and rng.random() < 0.4:
+            other, other_attribute = rng.choice(ENTITIES), rng.choice(tuple(_OPERAND))
+            step, operand = _step("lookup", entity=other, attribute=other_attribute)
+            steps.append(step)
+            sign = rng.choice("+-")
+            sentences.append(("Add " if sign == "+" else "Subtract ")
+                             + _OPERAND[other_attribute].format(other) + ".")
+        else:
+            sign = rng.choice("+-*" if abs(value) * 5 < MAX_MAGNITUDE else "+-")
+            operand = rng.randint(2, 5) if sign == "*" else rng.randint(11, 99)
+            stated.append(operand)
+            sentences.append({"+": f"Add {operand}.", "-": f"Subtract {operand}.",
+                              "*": f"Multiply by {operand}."}[sign])
+        step, value = _step("calculator", expression=f"{value} {sign} {operand}")
+        steps.append(step)
+    question = " ".join(sentences) + " What is the result?"
+    return ChainTask(calls, question, tuple(stated), tuple(steps), value)
+
+
+def generate_chain_tasks(count: int, seed: int, exclude: frozenset[str] = frozenset(),
+                         calls: tuple[int, ...] = CALLS) -> list[ChainTask]:
+    """`count` distinct chain tasks, horizons drawn uniformly from `calls`; same arguments, same
+    tasks; questions in `exclude` skipped."""
+    rng = random.Random(seed)
+    tasks, seen = [], set(exclude)
+    while len(tasks) < count:
+        task = chain_task(rng, rng.choice(calls))
+        if task.question not in seen:
+            seen.add(task.question)
+            tasks.append(task)
+    return tasks
+
+
+def chain_record(task: ChainTask) -> dict:
+    """The task as a prompt-only dataset line (rollout, eval)."""
+    return {"messages": [{"role": "user", "content": task.question}], "tools": TOOL_SCHEMAS,
+            "answer": task.answer, "family": task.family,
+            "environment": {"stated": list(task.stated)}}
+
+
+def _call_message(step: ToolStep, arguments: dict | None = None) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": step.name,
+                                          "arguments": arguments or step.arguments}}]}
+
+
+def chain_oracle_record(task: ChainTask, rng: random.Random | None = None,
+                        slip_rate: float = 0.0) -> dict:
+    """The task with the oracle's turns. With `slip_rate`, each call is first made with a slip
+    (one digit pair or one letter changed) at that rate: the slipped turn has `"weight": 0` (a
+    context turn, never a target), the environment's real rejection follows, then the correct
+    call: a demonstration of recovery."""
+    record = chain_record(task)
+    environment = ChainEnvironment(record["environment"])
+    for step in task.steps:
+        if rng is not None and rng.random() < slip_rate:
+            slipped = _slip(step, rng)
+            try:
+                environment.call(step.name, slipped)
+            except ValueError as error:
+                record["messages"] += [dict(_call_message(step, slipped), weight=0),
+                                       {"role": "tool", "content": raised_content(
+                                           step.name, error, ERROR_LIMIT)}]
+        environment.call(step.name, step.arguments)
+        record["messages"] += [_call_message(step), {"role": "tool", "content": step.content}]
+    record["messages"].append({"role": "assistant", "content": answer_text(task.answer)})
+    return record
+
+
+def _slip(step: ToolStep, rng: random.Random) -> dict:
+    """The step's arguments with one copying slip the environment rejects."""
+    if step.name == "lookup":
+        entity = step.arguments["entity"]
+        at = rng.randrange(1, len(entity))
+        letter = rng.choice([c for c in "aeiounrst" if c != entity[at]])
+        return dict(step.arguments, entity=entity[:at] + letter + entity[at + 1:])
+    expression = step.arguments["expression"]
+    numbers = list(_NUMBER.finditer(expression))
+    number = rng.choice(numbers)
+    digits = number.group()
+    at = rng.randrange(len(digits))
+    digit = rng.choice([d for d in "0123456789" if d != digits[at]])
+    wrong = digits[:at] + digit + digits[at + 1:]
+    return {"expression": expression[:number.start()] + wrong + expression[number.end():]}
+
+
+def _distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def _nearest(value: str, known: list[str]) -> str:
+    """The known value closest to `value` by edit distance, then by length (a slip keeps the
+    length), then the latest one."""
+    return min(reversed(known), key=lambda candidate: (_distance(value, candidate),
+                                                       abs(len(value) - len(candidate))))
+
+
+class ChainEnvironment:
+    """One chain episode: toolcalc's tools, strict about where numbers come from (see the
+    module docstring). Config: the record's "environment", {"stated": [numbers]}."""
+
+    def __init__(self, config: dict):
+        stated = config.get("stated") if isinstance(config, dict) else None
+        if not isinstance(stated, list):
+            raise ValueError('a chain environment needs {"stated": [numbers]}')
+        self.known = [str(abs(number)) for number in stated]
+        self.calls = 0
+
+    def call(self, name: str, arguments: dict):
+        self.calls += 1
+        if name == "lookup":
+            result = self._lookup(**arguments)
+        elif name == "calculator":
+            for number in _NUMBER.findall(arguments["expression"]):
+                if number not in self.known:
+                    hint = f"; did you mean {_nearest(number, self.known)}?" if self.known else ""
+                    raise ValueError(f"unknown number {number}{hint}")
+            result = TOOL_FUNCTIONS["calculator"](**arguments)
+        else:
+            result = TOOL_FUNCTIONS[name](**arguments)
+        self.known.append(str(abs(result["result"])))
+        return result
+
+    @staticmethod
+    def _lookup(entity: str, attribute: str) -> dict:
+        try:
+            return lookup(entity, attribute)
+        except ValueError as error:
+            if not str(error).startswith("unknown entity"):
+                raise
+            raise ValueError(f"unknown place {entity}; did you mean "
+                             f"{_nearest(entity, list(LOOKUP_TABLE))}?") from None
+
+    def state(self) -> dict:
+        return {"calls": self.calls}
+
+
+def check_chain_answer(final_text: str, record: dict) -> bool:
+    """toolcalc's answer check; success forgives rejected calls the episode recovered from."""
+    return check_answer(final_text, record)
+
+
+check_chain_answer.forgives_failed_calls = True  # type: ignore[attr-defined]
