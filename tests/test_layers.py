@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
      "opd.trajectory"],
     ["opd.config", "opd.dist", "opd.tool_calls", "opd.environments", "opd.loss",
      "opd.tool_worker"],
-    ["opd.tool_schemas", "opd.metrics", "opd.steps", "opd.submit", "opd.preemption",
+    ["opd.tool_schemas", "opd.metrics", "opd.steps", "opd.submit", "opd.slurm_teachers", "opd.preemption",
      "opd.preflight", "opd.checkpoint", "opd.loss_sampled"],
     # the sandboxed tool executor and the recipe's plugins
     ["opd.tools", "opd.plugins"],
@@ -34,7 +34,8 @@ LAYERS: list[list[str]] = [
     # the sampler and teacher seams: interfaces, the episode state machine, the engines
     ["opd.rollout", "opd.sampling.base", "opd.sampling.hf", "opd.sampling.vllm",
      "opd.sampling.vllm_engine", "opd.teachers.base", "opd.teachers.in_process",
-     "opd.teachers.served", "opd.teachers.server", "opd.teachers.wire"],
+     "opd.teachers.served", "opd.teachers.server", "opd.teachers.wire", "opd.teachers.overlap",
+     "opd.teachers.output_head"],
     ["opd.eval", "opd.objective"],
     ["opd.trainer"],
     ["opd.pipeline"],

@@ -1,6 +1,6 @@
 """The served-teacher recipes: a user moves a recipe from the in-process teacher to a served one
 by changing its teacher section only, and `--dry-run` prints both sides' memory: the student's
-per rank, the teacher's per teacher GPU (opd/backends/served_memory.py), from config.json
+per rank, the teacher's per teacher GPU (opd/backends/memory.py, `served_teacher_memory`), from config.json
 shapes alone (tests/test_memory_estimate.config_only, tests/fixtures/models)."""
 
 from __future__ import annotations
