@@ -94,7 +94,8 @@ def test_close_and_trainer_death_end_every_worker_process(tmp_path):
         deadline = time.monotonic() + WAIT_S
         while len(_with_token(token)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(_with_token(token)) == 2, "the tool never spawned its processes"
+        # At least: a process the tool forks shows the token until it execs (a third, briefly).
+        assert len(_with_token(token)) >= 2, "the tool never spawned its processes"
     finally:
         trainer.kill()
         trainer.wait()
