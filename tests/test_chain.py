@@ -136,3 +136,66 @@ def test_chain_records_are_plain_dataset_lines():
     record = chain_oracle_record(generate_chain_tasks(1, seed=2)[0])
     assert json.loads(json.dumps(record)) == record
     assert record["family"].startswith("chain_") and "stated" in record["environment"]
+
+
+class _Reader:
+    """A stand-in language model whose greedy choice is the conversation's next token, except
+    where told to pick another: the exactness probe's bookkeeping alone is under test."""
+
+    def __init__(self, ids: list[int], wrong_at: set[int], vocab: int):
+        self.ids, self.wrong_at, self.vocab = ids, wrong_at, vocab
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids_BT):
+        import torch
+
+        logits_TV = torch.zeros(len(self.ids), self.vocab)
+        for position, token in enumerate(self.ids[1:]):
+            logits_TV[position, (token + 1) % self.vocab if position in self.wrong_at
+                      else token] = 1.0
+        return type("Output", (), {"logits": logits_TV[None]})
+
+
+def test_next_call_exactness_tells_recovery_turns_from_the_others():
+    from worlds.toolcalc.prepare import next_call_exactness
+
+    chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
+    record = chain_oracle_record(generate_chain_tasks(1, seed=5)[0], random.Random(0), 1.0)
+    trajectory = completion_trajectory(chat, record["messages"], record["tools"])
+    vocab = len(chat.tokenizer)
+    spans = trajectory.spans
+    # An observation span sits between: the turn after a rejection is two spans on.
+    recoveries = [spans[i] for i in range(2, len(spans))
+                  if spans[i][2] == "assistant" and spans[i - 2][2] == "assistant_context"]
+    assert len(recoveries) >= 2  # every call slipped: each correction follows a rejection
+    exact = next_call_exactness(_Reader(trajectory.input_ids, set(), vocab), [trajectory])
+    assert exact == {"after_rejection": 1.0, "elsewhere": 1.0}
+    start, end, _ = recoveries[0]
+    one_token_off = _Reader(trajectory.input_ids, {end - 2}, vocab)
+    exact = next_call_exactness(one_token_off, [trajectory])
+    assert exact["elsewhere"] == 1.0
+    assert exact["after_rejection"] == pytest.approx(1 - 1 / len(recoveries), abs=1e-3)
+
+
+def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(tmp_path):
+    from dataclasses import replace
+
+    from opd.data import load_jsonl
+    from worlds.toolcalc.prepare import TEST_CONFIG, prepare
+
+    cfg = replace(TEST_CONFIG, world="chain", max_turns=4, teacher_recovery_steps=2)
+    prepared = prepare(cfg, tmp_path)
+    report = prepared.report
+    assert report["teacher"]["steps"] == cfg.teacher_steps + cfg.teacher_recovery_steps
+    for role in ("teacher", "student"):
+        assert set(report[role]["next_call_exact"]) == {"after_rejection", "elsewhere"}
+    recovery = load_jsonl(prepared.teacher_recovery_data)
+    clean = load_jsonl(prepared.teacher_train_data)
+    assert [r["messages"][0] for r in recovery] == [r["messages"][0] for r in clean]
+    assert any(m.get("weight") == 0 for r in recovery for m in r["messages"])
+    for data in (prepared.train_data, prepared.prompts_data, prepared.heldout_data):
+        assert not any(m.get("weight") == 0 for r in load_jsonl(data) for m in r["messages"])
+    held = {r["messages"][0]["content"] for r in load_jsonl(prepared.heldout_data)}
+    assert not held & {r["messages"][0]["content"] for r in clean}

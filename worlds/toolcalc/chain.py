@@ -16,18 +16,24 @@ to pay, each for a stated reason:
   known value ("unknown number 19355; did you mean 19335?"). A slip becomes a state the
   episode can recover from, but only a model that has learned to read that error and retry
   does.
-- **Knowledge the distiller cannot read.** The teacher is trained on demonstrations with
-  injected slips followed by their rejection and the corrected call (the slipped turn carries
-  `"weight": 0`, so the teacher learns to recover, not to slip). The distiller never receives
-  those demonstrations: it has prompts, the environment and the teacher. The teacher rarely
-  slips when it writes conversations itself, so conversations it writes show few recoveries,
-  while on-policy rollouts of the student reach its own slips, and the teacher scores the
-  recovery there.
-- **Capacity.** The student (189k parameters) is ~3x smaller than the teacher (604k) and copies
-  numbers less reliably.
+- **Knowledge the distiller cannot read.** The teacher learns clean demonstrations of its own
+  tasks, then those mixed with demonstrations of the same tasks with injected slips followed by
+  their rejection and the corrected call (the slipped turn carries `"weight": 0`, so the teacher
+  learns to recover, not to slip). The distiller never receives those demonstrations: it has
+  prompts, the environment and the teacher. The teacher rarely slips when it writes
+  conversations itself, so conversations it writes show few recoveries, while on-policy
+  rollouts of the student reach its own slips, and the teacher scores the recovery there.
+- **Capacity.** The student (`CHAIN_STUDENT`, 68k parameters, 32 wide) is ~3x smaller than the
+  teacher (189k, 64 wide). The 64-wide shape learns the clean chains almost perfectly (0.99 on
+  validation after 2,500 steps); the 32-wide one stays at about 0.8 after 5,000, and what it
+  gets wrong is mostly a number copied wrong, which the environment rejects and it never
+  recovers from (it was never shown a rejection).
 
 The student's warm start stands for the small model's pretraining: clean demonstrations of the
-chain tasks (never a failed call), the same for every method. Success is the final answer
+chain tasks (never a failed call), long enough to reach its plateau, the same for every method.
+`prepare.json` records, for teacher and student, how often their greedy next call is the
+corrected one right after a rejected call (`next_call_exact.after_rejection`, teacher-forced on
+demonstrations with slips of tasks no split uses). Success is the final answer
 within the turn limit; a rejected call the episode recovered from does not fail it
 (`check_chain_answer.forgives_failed_calls`).
 

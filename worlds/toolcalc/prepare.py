@@ -35,7 +35,7 @@ from opd import cache
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.data import completion_trajectory, load_jsonl, write_jsonl
-from opd.eval import evaluate, greedy
+from opd.eval import evaluate, greedy, load_model
 from opd.tools import ToolExecutor
 from worlds.toolcalc.chain import (
     ChainEnvironment,
@@ -45,6 +45,7 @@ from worlds.toolcalc.chain import (
     generate_chain_tasks,
 )
 from worlds.toolcalc.models import (
+    CHAIN_STUDENT,
     STUDENT,
     TEACHER,
     TEST_SHAPE,
@@ -107,12 +108,18 @@ class PrepareConfig:
     # One thread: on an idle 2-core machine two are ~1.4x faster, but on a shared one they
     # oversubscribe the cores and SFT steps slow down tenfold.
     threads: int = 1
-    # "toolcalc" or "chain" (worlds.toolcalc.chain): in the chain world the teacher trains on
-    # demonstrations with slips at `slip_rate` per call and their corrections
-    # (data/teacher_train.jsonl, never given to the distiller); the student's warm start and the
-    # oracle arm (data/train.jsonl) are clean.
+    # "toolcalc" or "chain" (worlds.toolcalc.chain): in the chain world the teacher first learns
+    # clean demonstrations of its own tasks (data/teacher_train.jsonl), then, for
+    # `teacher_recovery_steps` at `teacher_recovery_lr`, those mixed with demonstrations of the
+    # same tasks with slips at `slip_rate` per call and their corrections
+    # (data/teacher_recovery.jsonl); neither file is given to the distiller. Trained on the mix
+    # from scratch, the teacher learned neither (0.13 on validation after 3,000 steps, against
+    # 0.99 for the clean one). The student's warm start and the oracle arm (data/train.jsonl)
+    # are clean.
     world: str = "toolcalc"
     slip_rate: float = 0.3
+    teacher_recovery_steps: int = 0
+    teacher_recovery_lr: float = 2e-3
 
 
 # The worlds of the earlier studies (BENCHMARKS.md): the first, with a 600-step warm start; the
@@ -123,11 +130,14 @@ START_1000_CONFIG = PrepareConfig(student_steps=1000)
 HARD_CONFIG = PrepareConfig(families=HARD_FAMILIES, family_weights=HARD_FAMILY_WEIGHTS,
                             max_turns=4, student_steps=600)
 # The chain world (worlds.toolcalc.chain): 400 held-out tasks (the study's standard errors), room
-# for 7 calls plus recoveries. The teacher's chains are longer than toolcalc's conversations, so
-# fewer steps see as many target tokens.
+# for 7 calls plus recoveries; a 64-wide teacher (clean, then recoveries) and a 32-wide student
+# whose clean warm start is long enough to reach its own plateau, so that what it still gets
+# wrong is what it cannot copy, not what it has not yet seen.
 CHAIN_CONFIG = PrepareConfig(world="chain", heldout_tasks=400, max_turns=12, max_total_len=768,
-                             teacher_steps=2000, teacher_extra_rounds=1, target_success=0.85,
-                             student_steps=1000)
+                             teacher=STUDENT, student=CHAIN_STUDENT, teacher_steps=2500,
+                             teacher_extra_rounds=0, teacher_recovery_steps=1500,
+                             teacher_recovery_lr=3e-3, target_success=0.85,
+                             student_steps=5000)
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -162,8 +172,14 @@ class Prepared:
 
     @property
     def teacher_train_data(self) -> Path:
-        """The teacher's own training data (the chain world's, with slips and corrections)."""
+        """The teacher's own clean demonstrations (the chain world's; other tasks than the
+        distiller's)."""
         return self.root / "data" / "teacher_train.jsonl"
+
+    @property
+    def teacher_recovery_data(self) -> Path:
+        """The chain teacher's demonstrations of recovery (slips, rejections, corrections)."""
+        return self.root / "data" / "teacher_recovery.jsonl"
 
     @property
     def heldout_data(self) -> Path:
@@ -238,9 +254,18 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     student_data = conversations(out.train_data)
     teacher_data = conversations(out.teacher_train_data) if out.teacher_train_data.exists() \
         else student_data
+    recovery_data = conversations(out.teacher_recovery_data) \
+        if out.teacher_recovery_data.exists() else []
     with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
-        report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, evaluator, out)
+        report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, recovery_data,
+                                             evaluator, out)
         report["student"] = _prepare_student(cfg, tokenizer, student_data, evaluator, out)
+    if recovery_data:
+        probes = [completion_trajectory(chat, r["messages"], r["tools"])
+                  for r in recovery_probes(cfg)]
+        for role in ("teacher", "student"):
+            model = load_model(getattr(out, role), "cpu", f"{role} model")
+            report[role]["next_call_exact"] = next_call_exactness(model, probes)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -267,13 +292,42 @@ def _write_chain_data(cfg: PrepareConfig, out: Prepared) -> None:
     teacher = generate_chain_tasks(cfg.train_tasks, cfg.seed + 4, exclude=held_questions)
     slips = random.Random(cfg.seed + 5)
     write_jsonl(out.train_data, [chain_oracle_record(task) for task in train])
-    write_jsonl(out.teacher_train_data,
+    write_jsonl(out.teacher_train_data, [chain_oracle_record(task) for task in teacher])
+    write_jsonl(out.teacher_recovery_data,
                 [chain_oracle_record(task, slips, cfg.slip_rate) for task in teacher])
     write_jsonl(out.heldout_data, [chain_record(task) for task in heldout])
     write_jsonl(out.prompts_data, [chain_record(task) for task in prompts])
 
 
-def _prepare_teacher(cfg, tokenizer, conversations, evaluator, out: Prepared) -> dict:
+def recovery_probes(cfg: PrepareConfig, count: int = 200) -> list[dict]:
+    """Demonstrations with slips on tasks no other split uses (seed + 6): the probe of whether a
+    model's next call after a rejection is the corrected one."""
+    return [chain_oracle_record(task, random.Random(cfg.seed + 7 + i), cfg.slip_rate)
+            for i, task in enumerate(generate_chain_tasks(count, cfg.seed + 6))]
+
+
+def next_call_exactness(model, probes: list) -> dict:
+    """Teacher-forced on demonstrations with slips: the share of assistant turns whose every
+    token is the model's greedy choice, right after a rejected call (`after_rejection`: does it
+    recover?) and elsewhere (`elsewhere`)."""
+    exact = {"after_rejection": [], "elsewhere": []}
+    model.eval()
+    with torch.no_grad():
+        for trajectory in probes:
+            ids = trajectory.input_ids
+            greedy_ids = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+            after_rejection = False
+            for start, end, kind in trajectory.spans:
+                if kind == "assistant_context":
+                    after_rejection = True
+                elif kind == "assistant":
+                    exact["after_rejection" if after_rejection else "elsewhere"].append(
+                        all(greedy_ids[i - 1] == ids[i] for i in range(start, end)))
+                    after_rejection = False
+    return {key: round(sum(values) / max(1, len(values)), 3) for key, values in exact.items()}
+
+
+def _prepare_teacher(cfg, tokenizer, conversations, recovery, evaluator, out: Prepared) -> dict:
 
     started = time.perf_counter()
     model = build_model(cfg.teacher, tokenizer, cfg.seed)
@@ -288,6 +342,14 @@ def _prepare_teacher(cfg, tokenizer, conversations, evaluator, out: Prepared) ->
                       batch_size=cfg.batch_size, lr=cfg.teacher_lr / 10, warmup_steps=0,
                       seed=cfg.seed + rounds, desc=f"teacher SFT +{rounds}", schedule="constant",
                       pad_token_id=tokenizer.pad_token_id)
+        success = evaluator(model, "eval teacher")
+    if recovery and cfg.teacher_recovery_steps:
+        # Clean and recovery demonstrations of the same tasks, shuffled together, so the teacher
+        # keeps its clean calls while it learns to read a rejection.
+        losses += sft(model, conversations + recovery, steps=cfg.teacher_recovery_steps,
+                      batch_size=cfg.batch_size, lr=cfg.teacher_recovery_lr,
+                      warmup_steps=cfg.warmup_steps, seed=cfg.seed + 50,
+                      desc="teacher recovery SFT", pad_token_id=tokenizer.pad_token_id)
         success = evaluator(model, "eval teacher")
     sampled = evaluator(model, "eval teacher (sampled)", sampled=True)
     save_model(model, tokenizer, out.teacher)
