@@ -37,12 +37,12 @@ from quality import RECIPE, write_validation_split  # noqa: E402
 def shape_named(name: str):
     from worlds.toolcalc import models
 
-    if name.upper() in ("STUDENT", "TEACHER"):
+    if name.upper() in ("STUDENT", "TEACHER", "CHAIN_STUDENT"):
         return getattr(models, name.upper())
     hidden, _, layers = name.partition("x")
     if not (hidden.isdigit() and layers.isdigit()) or int(hidden) % 16:
-        sys.exit(f"error: --shapes: {name!r} is neither student, teacher nor HxL with H a "
-                 "multiple of 16 (e.g. 96x2).")
+        sys.exit(f"error: --shapes: {name!r} is neither student, teacher, chain_student nor "
+                 "HxL with H a multiple of 16 (e.g. 96x2).")
     heads = int(hidden) // 16
     return models.ModelShape(hidden_size=int(hidden), num_hidden_layers=int(layers),
                              num_attention_heads=heads, num_key_value_heads=heads,
