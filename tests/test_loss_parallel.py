@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from opd.dist import shutdown
 from opd.loss import TopKTeacher, distillation_loss, fused_distillation_loss
 from opd.loss_sampled import fused_sampled_kl_loss
 from tests.conftest import free_port
@@ -210,7 +211,10 @@ def _zero3_worker(rank, port):
         # collective: that aborted the late rank ("terminate called without an active exception").
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        # The engines' gloo work handles sit in reference cycles; freed during interpreter
+        # finalization they abort the rank the same way (it happened once in CI after the
+        # barrier above): opd.dist.shutdown collects them first, as the trainer does.
+        shutdown()
 
 
 def _check_zero3(rank, tied, make_loss):

@@ -300,8 +300,8 @@ def _write_chain_data(cfg: PrepareConfig, out: Prepared) -> None:
 
 
 def recovery_probes(cfg: PrepareConfig, count: int = 200) -> list[dict]:
-    """Demonstrations with slips on tasks no other split uses (seed + 6): the probe of whether a
-    model's next call after a rejection is the corrected one."""
+    """Demonstrations with slips of tasks drawn with their own seed (seed + 6), never trained on:
+    the probe of whether a model's next call after a rejection is the corrected one."""
     return [chain_oracle_record(task, random.Random(cfg.seed + 7 + i), cfg.slip_rate)
             for i, task in enumerate(generate_chain_tasks(count, cfg.seed + 6))]
 
