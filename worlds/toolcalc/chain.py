@@ -33,7 +33,7 @@ The student's warm start stands for the small model's pretraining: clean demonst
 chain tasks (never a failed call), long enough to reach its plateau, the same for every method.
 `prepare.json` records, for teacher and student, how often their greedy next call is the
 corrected one right after a rejected call (`next_call_exact.after_rejection`, teacher-forced on
-demonstrations with slips of tasks no split uses). Success is the final answer
+demonstrations with slips of tasks drawn with their own seed). Success is the final answer
 within the turn limit; a rejected call the episode recovered from does not fail it
 (`check_chain_answer.forgives_failed_calls`).
 

@@ -35,7 +35,7 @@ from opd import cache
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.data import completion_trajectory, load_jsonl, write_jsonl
-from opd.eval import evaluate, greedy, load_model
+from opd.eval import evaluate, greedy
 from opd.tools import ToolExecutor
 from worlds.toolcalc.chain import (
     ChainEnvironment,
@@ -254,18 +254,16 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     student_data = conversations(out.train_data)
     teacher_data = conversations(out.teacher_train_data) if out.teacher_train_data.exists() \
         else student_data
-    recovery_data = conversations(out.teacher_recovery_data) \
-        if out.teacher_recovery_data.exists() else []
-    with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
-        report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, recovery_data,
-                                             evaluator, out)
-        report["student"] = _prepare_student(cfg, tokenizer, student_data, evaluator, out)
-    if recovery_data:
+    recovery_data, probes = [], []
+    if out.teacher_recovery_data.exists():
+        recovery_data = conversations(out.teacher_recovery_data)
         probes = [completion_trajectory(chat, r["messages"], r["tools"])
                   for r in recovery_probes(cfg)]
-        for role in ("teacher", "student"):
-            model = load_model(getattr(out, role), "cpu", f"{role} model")
-            report[role]["next_call_exact"] = next_call_exactness(model, probes)
+    with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
+        report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, recovery_data,
+                                             evaluator, out, probes)
+        report["student"] = _prepare_student(cfg, tokenizer, student_data, evaluator, out,
+                                             probes)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -327,7 +325,13 @@ def next_call_exactness(model, probes: list) -> dict:
     return {key: round(sum(values) / max(1, len(values)), 3) for key, values in exact.items()}
 
 
-def _prepare_teacher(cfg, tokenizer, conversations, recovery, evaluator, out: Prepared) -> dict:
+def _exactness(model, probes: list) -> dict:
+    """The report's next-call exactness, where the world has recovery probes."""
+    return {"next_call_exact": next_call_exactness(model, probes)} if probes else {}
+
+
+def _prepare_teacher(cfg, tokenizer, conversations, recovery, evaluator, out: Prepared,
+                     probes: list) -> dict:
 
     started = time.perf_counter()
     model = build_model(cfg.teacher, tokenizer, cfg.seed)
@@ -355,11 +359,12 @@ def _prepare_teacher(cfg, tokenizer, conversations, recovery, evaluator, out: Pr
     save_model(model, tokenizer, out.teacher)
     return {"parameters": count_parameters(model), "steps": len(losses), "extra_rounds": rounds,
             "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-            "heldout": success, "heldout_sampled": sampled,
+            "heldout": success, "heldout_sampled": sampled, **_exactness(model, probes),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared) -> dict:
+def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared,
+                     probes: list) -> dict:
 
     started = time.perf_counter()
     model = build_model(cfg.student, tokenizer, cfg.seed + 100)
@@ -371,7 +376,7 @@ def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared) ->
     save_model(model, tokenizer, out.student)
     return {"parameters": count_parameters(model), "steps": len(losses),
             "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-            "heldout": heldout, "heldout_sampled": sampled,
+            "heldout": heldout, "heldout_sampled": sampled, **_exactness(model, probes),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
