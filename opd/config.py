@@ -150,6 +150,10 @@ class LossConfig:
     beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
     temperature: float = positive(1.0)
     chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
+    # On-policy only: train none of the student's tokens after its first refused call. Where the
+    # student cannot yet learn the teacher's recovery, those states dominate the loss and undo
+    # its first-try calls (README, "Where on-policy distillation pays").
+    mask_after_refused_call: bool = False
     # Fraction of steps trained on dataset completions instead of the student's own samples:
     # the complement of GKD's (and TRL's) lambda, which is the on-policy fraction.
     off_policy_fraction: float = within(0, 1, 0.0)

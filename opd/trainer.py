@@ -45,7 +45,7 @@ from opd.objective import DistillationHead
 from opd.packing import PackedBatch, empty_micro_batch, pack_varlen, per_target
 from opd.plugins import Plugins
 from opd.rewards import group_advantages, token_advantages
-from opd.sampling.base import Sampler, SamplerContext, sampler_class
+from opd.sampling.base import OnFinished, Sampler, SamplerContext, sampler_class
 from opd.steps import learning_rate, off_policy, rollout_seed, step_records
 from opd.teachers.base import (
     SignalRequest,
@@ -208,8 +208,13 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
                                    world.world_size, run.epoch_orders.setdefault("prompts", {}))
             group = config.rollout.samples_per_prompt  # a prompt's samples stay on one rank
             prompts = [record for record in prompts for _ in range(group)]
+            cut = config.loss.mask_after_refused_call
+            finished = early if early is None or not cut else _masking_refusals(early)
             trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank),
-                                              early)
+                                              finished)
+            if cut:
+                for trajectory in trajectories:
+                    trajectory.mask_after_refusal()
             metrics.update(run.sampler.metrics())
             if config.loss.reward_weight > 0:
                 metrics.update(score_rewards(run, prompts, trajectories))
@@ -233,6 +238,15 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
         if early is not None:  # a failed rollout or step sends nothing more
             early.cancel()
     return trajectories, is_off_policy, metrics
+
+
+def _masking_refusals(on_finished: OnFinished) -> OnFinished:
+    """`on_finished` hearing of each conversation with its targets after a refusal masked, so an
+    early-scoring teacher scores only the tokens that train."""
+    def masked(index: int, trajectory: AgentTrajectory) -> None:
+        trajectory.mask_after_refusal()
+        on_finished(index, trajectory)
+    return masked
 
 
 def score_rewards(run: Run, prompts: list[dict], trajectories: list[AgentTrajectory]) -> dict:

@@ -48,6 +48,9 @@ class AgentTrajectory:
     advantage: float = 0.0  # its group-normalised reward (opd.rewards)
     # A per-conversation teacher's scores of the target tokens (opd.teachers.base.TeacherScores)
     teacher_scores: Any = None
+    # Where the observation of the first refused (invalid or failed) call ends: the student's
+    # tokens from here on were written after a refusal (loss.mask_after_refused_call).
+    refused_at: int | None = None
 
     @classmethod
     def from_prompt(cls, ids: Sequence[int]) -> AgentTrajectory:
@@ -61,6 +64,15 @@ class AgentTrajectory:
         self.input_ids.extend(ids)
         self.assistant_mask.extend([kind == "assistant"] * len(ids))
         self.spans.append((start, len(self.input_ids), kind))
+
+    def mask_after_refusal(self) -> None:
+        """No target after the first refused call's observation; the sampler's log-probs of the
+        targets kept stay aligned with them. Idempotent."""
+        if self.refused_at is None:
+            return
+        kept = sum(self.assistant_mask[:self.refused_at])
+        self.assistant_mask[self.refused_at:] = [False] * (len(self.input_ids) - self.refused_at)
+        self.logprobs = self.logprobs[:kept]
 
     def assistant_spans(self) -> list[tuple[int, int]]:
         return [(start, end) for start, end, kind in self.spans if kind == "assistant"]

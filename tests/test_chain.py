@@ -199,3 +199,99 @@ def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets
         assert not any(m.get("weight") == 0 for r in load_jsonl(data) for m in r["messages"])
     held = {r["messages"][0]["content"] for r in load_jsonl(prepared.heldout_data)}
     assert not held & {r["messages"][0]["content"] for r in clean}
+
+
+def _call_text(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers():
+    """bench/chain_takeover.py: the student's first refused call ends its part; student and
+    teacher each go on from exactly that state (its tokens; the environment replayed, so the
+    result the student already got is known). A teacher that writes the corrected call
+    recovers, a student that repeats its slip runs out of turns."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from scripted_model import ScriptedPolicy
+
+    from worlds.toolcalc.chain import _slip, chain_record
+    from worlds.toolcalc.tasks import answer_text
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "chain_takeover.py"
+    spec = importlib.util.spec_from_file_location("chain_takeover", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    slipping, clean = [task for task in generate_chain_tasks(60, seed=11)
+                       if task.calls == 3 and task.steps[1].name == "calculator"][:2]
+    first, second, third = slipping.steps
+    slipped = _call_text("calculator", _slip(second, random.Random(0)))
+    oracle = {task.question: [*(_call_text(s.name, s.arguments) for s in task.steps),
+                              answer_text(task.answer)] for task in (slipping, clean)}
+    student_turns = dict(oracle, **{slipping.question: [
+        _call_text(first.name, first.arguments), *[slipped] * probe.MAX_TURNS]})
+    teacher_turns = dict(oracle, **{slipping.question: [
+        _call_text(first.name, first.arguments), slipped, _call_text(second.name, second.arguments),
+        _call_text(third.name, third.arguments), answer_text(slipping.answer)]})
+    chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
+    eos, prefix = chat.tokenizer.eos_token_id, "<|im_start|>assistant\n"
+    student = ScriptedPolicy(chat.tokenizer, student_turns, eos, prefix)
+    teacher = ScriptedPolicy(chat.tokenizer, teacher_turns, eos, prefix)
+    records = [chain_record(slipping), chain_record(clean)]
+    with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
+        player = probe.Player(chat, executor, torch.Generator().manual_seed(0))
+        result = probe.takeover(player, student, teacher, records, sample=True)
+        # Without the replay, the corrected call names a result the new episode never returned.
+        bare = player.open(records[0], [])
+        [refused] = executor.run_episode_calls(
+            {bare: [ToolCall(second.name, second.arguments)]})[bare]
+        executor.close_episode(bare)
+    assert refused.status == "failed" and "unknown number" in refused.content
+    assert result == {"success_without_refusal": 0.5, "refused_rate": 0.5,
+                      "first_refusal": {"unknown number": 1},
+                      "success_after_first_refusal": {"student": 0.0, "teacher_greedy": 1.0,
+                                                      "teacher_sampled": 1.0},
+                      # turns 3 .. 11 refused; the 12th ends the episode unrun, as in rollout
+                      "refused_calls_after_takeover": {"student": probe.MAX_TURNS - 3,
+                                                       "teacher_greedy": 0, "teacher_sampled": 0}}
+
+
+def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned():
+    """loss.mask_after_refused_call: the student's tokens after its first refused call stop
+    being targets, those before stay, and the sampler's log-probs keep one per target."""
+    from scripted_model import ScriptedPolicy
+
+    from opd.config import RolloutConfig
+    from opd.rollout import rollout
+    from worlds.toolcalc.chain import _slip, chain_record
+    from worlds.toolcalc.tasks import answer_text
+
+    task = next(task for task in generate_chain_tasks(60, seed=11)
+                if task.calls == 3 and task.steps[1].name == "calculator")
+    first, second, third = task.steps
+    turns = [_call_text(first.name, first.arguments),
+             _call_text("calculator", _slip(second, random.Random(0))),
+             _call_text(second.name, second.arguments), _call_text(third.name, third.arguments),
+             answer_text(task.answer)]
+    chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
+    policy = ScriptedPolicy(chat.tokenizer, {task.question: turns}, chat.tokenizer.eos_token_id,
+                            "<|im_start|>assistant\n")
+    with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
+        [trajectory] = rollout(policy, chat, executor, [chain_record(task)],
+                               RolloutConfig(max_turns=6, max_new_tokens=64, max_total_len=768))
+    observations = [(start, end) for start, end, kind in trajectory.spans if kind == "observation"]
+    refusal = observations[1]
+    assert '"error"' in chat.tokenizer.decode(trajectory.input_ids[slice(*refusal)])
+    assert '"error"' not in chat.tokenizer.decode(trajectory.input_ids[slice(*observations[0])])
+    assert trajectory.refused_at == refusal[1]
+    assert len(trajectory.logprobs) == sum(trajectory.assistant_mask)
+    before = list(trajectory.assistant_mask[:refusal[1]])
+    recovered = trajectory.assistant_spans()[2]  # the corrected call, after the refusal
+    trajectory.mask_after_refusal()
+    trajectory.mask_after_refusal()  # idempotent
+    assert trajectory.assistant_mask[:refusal[1]] == before and any(before)
+    assert not any(trajectory.assistant_mask[recovered[0]:])
+    assert len(trajectory.logprobs) == sum(before)
