@@ -31,15 +31,12 @@ MAX_TURNS, MAX_NEW_TOKENS, MAX_TOTAL_LEN = 12, 64, 768  # recipes/toolcalc_chain
 
 
 class Player:
-    """Plays one model's turns of chain episodes from a token prefix (see the module docstring)."""
+    """Plays one model's turns of chain episodes from a token prefix (see the module docstring).
+    Not opd.rollout: that starts every conversation from a dataset record's prompt, and a
+    takeover starts from another model's tokens."""
 
     def __init__(self, chat, executor, generator):
-        import torch
-
-        from opd.rollout import cache_argument_name
-
-        self.torch, self.chat, self.executor, self.generator = torch, chat, executor, generator
-        self.cache_name = cache_argument_name
+        self.chat, self.executor, self.generator = chat, executor, generator
 
     def open(self, record: dict, replay: list[list]):
         """A fresh episode of `record`, with the calls of `replay` (per turn) run again in order:
@@ -50,9 +47,12 @@ class Player:
         return episode
 
     def turn(self, model, ids: list[int], sample: bool) -> list[int]:
-        torch = self.torch
+        import torch
+
+        from opd.rollout import cache_argument_name
+
         new: list[int] = []
-        cache_name = self.cache_name(model)
+        cache_name = cache_argument_name(model)
         with torch.no_grad():
             cache, inputs = None, torch.tensor([ids])
             while len(new) < MAX_NEW_TOKENS and len(ids) + len(new) < MAX_TOTAL_LEN:

@@ -9,9 +9,15 @@ unchanged on it: left padding, KV-cache calls, sampling, tools and rendering are
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
+
+
+def call_text(name: str, arguments: dict) -> str:
+    """A Hermes tool call as a script turn."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 class ScriptedPolicy(torch.nn.Module):

@@ -201,10 +201,6 @@ def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets
     assert not held & {r["messages"][0]["content"] for r in clean}
 
 
-def _call_text(name: str, arguments: dict) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
 def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers():
     """bench/chain_takeover.py: the student's first refused call ends its part; student and
     teacher each go on from exactly that state (its tokens; the environment replayed, so the
@@ -214,7 +210,7 @@ def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers()
     from pathlib import Path
 
     import torch
-    from scripted_model import ScriptedPolicy
+    from scripted_model import ScriptedPolicy, call_text
 
     from worlds.toolcalc.chain import _slip, chain_record
     from worlds.toolcalc.tasks import answer_text
@@ -228,14 +224,14 @@ def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers()
     slipping, clean = [task for task in generate_chain_tasks(60, seed=11)
                        if task.calls == 3 and task.steps[1].name == "calculator"][:2]
     first, second, third = slipping.steps
-    slipped = _call_text("calculator", _slip(second, random.Random(0)))
-    oracle = {task.question: [*(_call_text(s.name, s.arguments) for s in task.steps),
+    slipped = call_text("calculator", _slip(second, random.Random(0)))
+    oracle = {task.question: [*(call_text(s.name, s.arguments) for s in task.steps),
                               answer_text(task.answer)] for task in (slipping, clean)}
     student_turns = dict(oracle, **{slipping.question: [
-        _call_text(first.name, first.arguments), *[slipped] * probe.MAX_TURNS]})
+        call_text(first.name, first.arguments), *[slipped] * probe.MAX_TURNS]})
     teacher_turns = dict(oracle, **{slipping.question: [
-        _call_text(first.name, first.arguments), slipped, _call_text(second.name, second.arguments),
-        _call_text(third.name, third.arguments), answer_text(slipping.answer)]})
+        call_text(first.name, first.arguments), slipped, call_text(second.name, second.arguments),
+        call_text(third.name, third.arguments), answer_text(slipping.answer)]})
     chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
     eos, prefix = chat.tokenizer.eos_token_id, "<|im_start|>assistant\n"
     student = ScriptedPolicy(chat.tokenizer, student_turns, eos, prefix)
@@ -262,7 +258,7 @@ def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers()
 def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned():
     """loss.mask_after_refused_call: the student's tokens after its first refused call stop
     being targets, those before stay, and the sampler's log-probs keep one per target."""
-    from scripted_model import ScriptedPolicy
+    from scripted_model import ScriptedPolicy, call_text
 
     from opd.config import RolloutConfig
     from opd.rollout import rollout
@@ -272,9 +268,9 @@ def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned
     task = next(task for task in generate_chain_tasks(60, seed=11)
                 if task.calls == 3 and task.steps[1].name == "calculator")
     first, second, third = task.steps
-    turns = [_call_text(first.name, first.arguments),
-             _call_text("calculator", _slip(second, random.Random(0))),
-             _call_text(second.name, second.arguments), _call_text(third.name, third.arguments),
+    turns = [call_text(first.name, first.arguments),
+             call_text("calculator", _slip(second, random.Random(0))),
+             call_text(second.name, second.arguments), call_text(third.name, third.arguments),
              answer_text(task.answer)]
     chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
     policy = ScriptedPolicy(chat.tokenizer, {task.question: turns}, chat.tokenizer.eos_token_id,

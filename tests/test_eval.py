@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from scripted_model import ScriptedPolicy
+from scripted_model import ScriptedPolicy, call_text
 
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
@@ -17,10 +17,6 @@ from worlds.toolcalc.tokenizer import load_tokenizer
 
 PREFIX = "<|im_start|>assistant\n"
 WORLD = ("--tools", "worlds.toolcalc.tools:registry", "--checker", "worlds.toolcalc.tasks:check_answer")
-
-
-def call_text(name: str, arguments: dict) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
