@@ -21,6 +21,7 @@ from worlds.toolcalc.chain import (
     CALLS,
     ChainEnvironment,
     chain_oracle_record,
+    chain_record,
     check_chain_answer,
     generate_chain_tasks,
 )
@@ -83,13 +84,56 @@ def _calls(message: dict) -> list[ToolCall]:
             for call in message["tool_calls"]]
 
 
-def test_recovery_demonstrations_replay_byte_for_byte_in_the_sandbox():
+def test_confirm_runs_the_call_the_last_rejection_suggested_and_nothing_else():
+    environment = ChainEnvironment({"stated": [37, 3], "confirm": True})
+    with pytest.raises(ValueError, match="^nothing to confirm"):
+        environment.call("confirm", {})
+    environment.call("lookup", {"entity": "Veltrane", "attribute": "height_m"})
+    with pytest.raises(ValueError, match=r"^unknown number 2948; did you mean 2984\? confirm "
+                                         r"runs it$"):
+        environment.call("calculator", {"expression": "2948 + 37"})
+    assert environment.call("confirm", {}) == {"result": 3021}
+    with pytest.raises(ValueError, match="^nothing to confirm"):  # it ran once; it is spent
+        environment.call("confirm", {})
+    with pytest.raises(ValueError, match="did you mean 3021"):  # 38 stays wrong after the fix
+        environment.call("calculator", {"expression": "3012 + 38"})
+    with pytest.raises(ValueError, match=r"^unknown number 38; did you mean 37\?"):
+        environment.call("confirm", {})
+    assert environment.call("confirm", {}) == {"result": 3058}
+    with pytest.raises(ValueError, match="did you mean Veltrane"):
+        environment.call("lookup", {"entity": "Veltrene", "attribute": "founded_year"})
+    environment.call("calculator", {"expression": "3058 * 3"})  # another call drops the offer
+    with pytest.raises(ValueError, match="^nothing to confirm"):
+        environment.call("confirm", {})
+    with pytest.raises(ValueError, match="did you mean Veltrane"):
+        environment.call("lookup", {"entity": "Veltrene", "attribute": "founded_year"})
+    assert environment.call("confirm", {}) == {"result": 1712}
+
+
+def test_a_record_without_confirm_neither_offers_nor_runs_it():
+    task = generate_chain_tasks(1, seed=2)[0]
+    plain, confirming = chain_record(task), chain_record(task, confirm=True)
+    assert [t["function"]["name"] for t in confirming["tools"]] \
+        == [t["function"]["name"] for t in plain["tools"]] + ["confirm"]
+    with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
+        [episode] = executor.open_episodes([plain["environment"]], [plain["tools"]])
+        [result] = executor.run_episode_calls({episode: [ToolCall("confirm", {})]})[episode]
+        assert result.status == "invalid" and "unknown tool 'confirm'" in result.content
+
+
+@pytest.mark.parametrize("confirm", [False, True])
+def test_recovery_demonstrations_replay_byte_for_byte_in_the_sandbox(confirm):
     """The teacher's demonstrations hold exactly what the sandboxed environment answers, slips
-    and their rejections included, so it learns the rejections students will see."""
+    and their rejections included, so it learns the rejections students will see; with confirm,
+    its recoveries are mostly one confirm call."""
     rng = random.Random(3)
-    records = [chain_oracle_record(task, rng, slip_rate=0.5)
+    records = [chain_oracle_record(task, rng, slip_rate=0.5, confirm=confirm)
                for task in generate_chain_tasks(6, seed=11)]
     assert any(m.get("weight") == 0 for record in records for m in record["messages"])
+    confirms = sum(call["function"]["name"] == "confirm" for record in records
+                   for m in record["messages"] for call in m.get("tool_calls", []))
+    slips = sum(m.get("weight") == 0 for record in records for m in record["messages"])
+    assert (confirms > slips / 2) if confirm else confirms == 0
     with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
         episodes = executor.open_episodes([r["environment"] for r in records],
                                           [r["tools"] for r in records])
@@ -179,13 +223,16 @@ def test_next_call_exactness_tells_recovery_turns_from_the_others():
     assert exact["after_rejection"] == pytest.approx(1 - 1 / len(recoveries), abs=1e-3)
 
 
-def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(tmp_path):
+@pytest.mark.parametrize("confirm", [False, True])
+def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(tmp_path,
+                                                                                 confirm):
     from dataclasses import replace
 
     from opd.data import load_jsonl
     from worlds.toolcalc.prepare import TEST_CONFIG, prepare
 
-    cfg = replace(TEST_CONFIG, world="chain", max_turns=4, teacher_recovery_steps=2)
+    cfg = replace(TEST_CONFIG, world="chain", max_turns=4, teacher_recovery_steps=2,
+                  confirm=confirm)
     prepared = prepare(cfg, tmp_path)
     report = prepared.report
     assert report["teacher"]["steps"] == cfg.teacher_steps + cfg.teacher_recovery_steps
@@ -200,6 +247,16 @@ def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets
     held = {r["messages"][0]["content"] for r in load_jsonl(prepared.heldout_data)}
     assert not held & {r["messages"][0]["content"] for r in clean}
 
+    def confirms(path) -> int:
+        return sum(call["function"]["name"] == "confirm" for r in load_jsonl(path)
+                   for m in r["messages"] for call in m.get("tool_calls", []))
+
+    assert (confirms(prepared.teacher_recovery_data) > 0) == confirm
+    assert confirms(prepared.train_data) == confirms(prepared.teacher_train_data) == 0
+    for data in (prepared.train_data, prepared.prompts_data, prepared.heldout_data):
+        assert all(r["environment"].get("confirm", False) == confirm
+                   and ("confirm" in json.dumps(r["tools"])) == confirm for r in load_jsonl(data))
+
 
 def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers():
     """bench/chain_takeover.py: the student's first refused call ends its part; student and
@@ -212,7 +269,7 @@ def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers()
     import torch
     from scripted_model import ScriptedPolicy, call_text
 
-    from worlds.toolcalc.chain import _slip, chain_record
+    from worlds.toolcalc.chain import _slip
     from worlds.toolcalc.tasks import answer_text
 
     path = Path(__file__).resolve().parents[1] / "bench" / "chain_takeover.py"
@@ -262,7 +319,7 @@ def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned
 
     from opd.config import RolloutConfig
     from opd.rollout import rollout
-    from worlds.toolcalc.chain import _slip, chain_record
+    from worlds.toolcalc.chain import _slip
     from worlds.toolcalc.tasks import answer_text
 
     task = next(task for task in generate_chain_tasks(60, seed=11)

@@ -37,6 +37,16 @@ demonstrations with slips of tasks drawn with their own seed). Success is the fi
 within the turn limit; a rejected call the episode recovered from does not fail it
 (`check_chain_answer.forgives_failed_calls`).
 
+**Confirm** (the second chain world, `PrepareConfig.confirm`): on the first chain world the
+student could not learn the recovery (rewriting the call with the hinted number is the copying
+it slipped at; BENCHMARKS.md), so on-policy distillation had nothing to teach it there. With
+`"confirm": true` in a record's environment, a rejection that has a suggestion also says that a
+`confirm` call runs the call again with it ("unknown number 19355; did you mean 19335? confirm
+runs it"), as a shell's or a search box's "did you mean" does. Recovering then takes one fixed
+call, a skill the small student can learn, while its slips stay (they come from its width).
+The teacher's recovery demonstrations confirm when the suggestion is the intended value and
+rewrite the call otherwise.
+
 Tasks are written in the same JSONL form as toolcalc's (`messages`, `tools`, `answer`), plus
 `environment` (the values the question states) and `family` ("chain_<calls>", so evaluation
 reports success by horizon).
@@ -48,6 +58,7 @@ import json
 import random
 import re
 from dataclasses import dataclass
+from typing import NoReturn
 
 from opd.tool_worker import raised_content
 from worlds.toolcalc.tasks import ENTITIES, ToolStep, answer_text, check_answer
@@ -122,11 +133,21 @@ def generate_chain_tasks(count: int, seed: int, exclude: frozenset[str] = frozen
     return tasks
 
 
-def chain_record(task: ChainTask) -> dict:
-    """The task as a prompt-only dataset line (rollout, eval)."""
-    return {"messages": [{"role": "user", "content": task.question}], "tools": TOOL_SCHEMAS,
-            "answer": task.answer, "family": task.family,
-            "environment": {"stated": list(task.stated)}}
+CONFIRM_SCHEMA = {"type": "function", "function": {
+    "name": "confirm",
+    "description": "Run the last rejected call again with the value its error suggested.",
+    "parameters": {"type": "object", "properties": {}, "required": []}}}
+
+
+def chain_record(task: ChainTask, confirm: bool = False) -> dict:
+    """The task as a prompt-only dataset line (rollout, eval); `confirm`: the environment offers
+    the `confirm` tool (module docstring)."""
+    environment: dict = {"stated": list(task.stated)}
+    if confirm:
+        environment["confirm"] = True
+    return {"messages": [{"role": "user", "content": task.question}],
+            "tools": [*TOOL_SCHEMAS, CONFIRM_SCHEMA] if confirm else TOOL_SCHEMAS,
+            "answer": task.answer, "family": task.family, "environment": environment}
 
 
 def _call_message(step: ToolStep, arguments: dict | None = None) -> dict:
@@ -136,12 +157,13 @@ def _call_message(step: ToolStep, arguments: dict | None = None) -> dict:
 
 
 def chain_oracle_record(task: ChainTask, rng: random.Random | None = None,
-                        slip_rate: float = 0.0) -> dict:
+                        slip_rate: float = 0.0, confirm: bool = False) -> dict:
     """The task with the oracle's turns. With `slip_rate`, each call is first made with a slip
     (one digit pair or one letter changed) at that rate: the slipped turn has `"weight": 0` (a
     context turn, never a target), the environment's real rejection follows, then the correct
-    call: a demonstration of recovery."""
-    record = chain_record(task)
+    call, or with `confirm` a `confirm` call where the rejection suggested the intended value:
+    a demonstration of recovery."""
+    record = chain_record(task, confirm)
     environment = ChainEnvironment(record["environment"])
     for step in task.steps:
         if rng is not None and rng.random() < slip_rate:
@@ -152,10 +174,20 @@ def chain_oracle_record(task: ChainTask, rng: random.Random | None = None,
                 record["messages"] += [dict(_call_message(step, slipped), weight=0),
                                        {"role": "tool", "content": raised_content(
                                            step.name, error, ERROR_LIMIT)}]
+            if environment.suggested == (step.name, step.arguments):
+                environment.call("confirm", {})
+                record["messages"] += [_confirm_message(),
+                                       {"role": "tool", "content": step.content}]
+                continue
         environment.call(step.name, step.arguments)
         record["messages"] += [_call_message(step), {"role": "tool", "content": step.content}]
     record["messages"].append({"role": "assistant", "content": answer_text(task.answer)})
     return record
+
+
+def _confirm_message() -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "confirm", "arguments": {}}}]}
 
 
 def _slip(step: ToolStep, rng: random.Random) -> dict:
@@ -194,39 +226,59 @@ def _nearest(value: str, known: list[str]) -> str:
 
 class ChainEnvironment:
     """One chain episode: toolcalc's tools, strict about where numbers come from (see the
-    module docstring). Config: the record's "environment", {"stated": [numbers]}."""
+    module docstring). Config: the record's "environment", {"stated": [numbers]}, with
+    "confirm": true for the `confirm` tool. `suggested`: the call a `confirm` would run now."""
 
     def __init__(self, config: dict):
         stated = config.get("stated") if isinstance(config, dict) else None
         if not isinstance(stated, list):
             raise ValueError('a chain environment needs {"stated": [numbers]}')
         self.known = [str(abs(number)) for number in stated]
+        self.confirm = config.get("confirm") is True
+        self.suggested: tuple[str, dict] | None = None
         self.calls = 0
 
     def call(self, name: str, arguments: dict):
         self.calls += 1
+        if name == "confirm" and self.confirm:
+            if self.suggested is None:
+                raise ValueError("nothing to confirm: confirm runs the call the last error "
+                                 "suggested")
+            name, arguments = self.suggested
+        self.suggested = None
         if name == "lookup":
             result = self._lookup(**arguments)
         elif name == "calculator":
             for number in _NUMBER.findall(arguments["expression"]):
                 if number not in self.known:
-                    hint = f"; did you mean {_nearest(number, self.known)}?" if self.known else ""
-                    raise ValueError(f"unknown number {number}{hint}")
+                    if not self.known:
+                        raise ValueError(f"unknown number {number}")
+                    nearest = _nearest(number, self.known)
+                    expression = re.sub(rf"(?<![\d.]){re.escape(number)}(?![\d.])", nearest,
+                                        arguments["expression"], count=1)
+                    self._reject(f"unknown number {number}; did you mean {nearest}?",
+                                 ("calculator", {"expression": expression}))
             result = TOOL_FUNCTIONS["calculator"](**arguments)
         else:
             result = TOOL_FUNCTIONS[name](**arguments)
         self.known.append(str(abs(result["result"])))
         return result
 
-    @staticmethod
-    def _lookup(entity: str, attribute: str) -> dict:
+    def _reject(self, message: str, suggested: tuple[str, dict]) -> NoReturn:
+        if self.confirm:
+            self.suggested = suggested
+            message += " confirm runs it"
+        raise ValueError(message) from None
+
+    def _lookup(self, entity: str, attribute: str) -> dict:
         try:
             return lookup(entity, attribute)
         except ValueError as error:
             if not str(error).startswith("unknown entity"):
                 raise
-            raise ValueError(f"unknown place {entity}; did you mean "
-                             f"{_nearest(entity, list(LOOKUP_TABLE))}?") from None
+            nearest = _nearest(entity, list(LOOKUP_TABLE))
+            self._reject(f"unknown place {entity}; did you mean {nearest}?",
+                         ("lookup", {"entity": nearest, "attribute": attribute}))
 
     def state(self) -> dict:
         return {"calls": self.calls}
