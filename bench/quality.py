@@ -214,7 +214,8 @@ def write_validation_split(config, out: Path, count: int) -> Path:
                          for record in load_jsonl(data))
         world = json.loads((root / "prepare.json").read_text())["config"]
         if world.get("world") == "chain":
-            records = [chain_record(task, world.get("confirm", False)) for task in
+            records = [chain_record(task, world.get("confirm", False),
+                                    world.get("checked", False)) for task in
                        generate_chain_tasks(count, VALIDATION_SEED, exclude=seen)]
         else:  # the prepared world's families (the harder world adds three_hop)
             families = {"families": tuple(world["families"]),

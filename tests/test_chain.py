@@ -110,6 +110,29 @@ def test_confirm_runs_the_call_the_last_rejection_suggested_and_nothing_else():
     assert environment.call("confirm", {}) == {"result": 1712}
 
 
+def test_a_checked_episode_suggests_the_tasks_next_call_only_for_a_close_miss():
+    task = next(t for t in generate_chain_tasks(50, seed=3)
+                if t.steps[1].name == "calculator" and " * " not in t.steps[1].arguments["expression"])
+    environment = ChainEnvironment(chain_record(task, confirm=True, checked=True)["environment"])
+    first, second = task.steps[0], task.steps[1]
+    assert environment.call(first.name, first.arguments) == json.loads(first.content)
+    left, sign, right = second.arguments["expression"].split(" ")
+    wrong_operation = f"{left} * {right}"  # every number known: only the plan rejects it
+    expected = (f"^step 2 of the question is not {re.escape(wrong_operation)}; did you mean "
+                f"{re.escape(second.arguments['expression'])}\\? confirm runs it$")
+    with pytest.raises(ValueError, match=expected):
+        environment.call("calculator", {"expression": wrong_operation})
+    assert environment.call("confirm", {}) == json.loads(second.content)
+    with pytest.raises(ValueError, match=r"^step 3 of the question is not 1 \+ 1$"):
+        environment.call("calculator", {"expression": "1 + 1"})  # far off: nothing to confirm
+    with pytest.raises(ValueError, match="^nothing to confirm"):
+        environment.call("confirm", {})
+    for step in task.steps[2:]:
+        environment.call(step.name, step.arguments)
+    with pytest.raises(ValueError, match="no more steps; give the answer"):
+        environment.call(first.name, first.arguments)
+
+
 def test_a_record_without_confirm_neither_offers_nor_runs_it():
     task = generate_chain_tasks(1, seed=2)[0]
     plain, confirming = chain_record(task), chain_record(task, confirm=True)
@@ -121,13 +144,13 @@ def test_a_record_without_confirm_neither_offers_nor_runs_it():
         assert result.status == "invalid" and "unknown tool 'confirm'" in result.content
 
 
-@pytest.mark.parametrize("confirm", [False, True])
-def test_recovery_demonstrations_replay_byte_for_byte_in_the_sandbox(confirm):
+@pytest.mark.parametrize("confirm, checked", [(False, False), (True, False), (True, True)])
+def test_recovery_demonstrations_replay_byte_for_byte_in_the_sandbox(confirm, checked):
     """The teacher's demonstrations hold exactly what the sandboxed environment answers, slips
     and their rejections included, so it learns the rejections students will see; with confirm,
     its recoveries are mostly one confirm call."""
     rng = random.Random(3)
-    records = [chain_oracle_record(task, rng, slip_rate=0.5, confirm=confirm)
+    records = [chain_oracle_record(task, rng, slip_rate=0.5, confirm=confirm, checked=checked)
                for task in generate_chain_tasks(6, seed=11)]
     assert any(m.get("weight") == 0 for record in records for m in record["messages"])
     confirms = sum(call["function"]["name"] == "confirm" for record in records
@@ -223,16 +246,16 @@ def test_next_call_exactness_tells_recovery_turns_from_the_others():
     assert exact["after_rejection"] == pytest.approx(1 - 1 / len(recoveries), abs=1e-3)
 
 
-@pytest.mark.parametrize("confirm", [False, True])
+@pytest.mark.parametrize("confirm, checked", [(False, False), (True, False), (True, True)])
 def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(tmp_path,
-                                                                                 confirm):
+                                                                                 confirm, checked):
     from dataclasses import replace
 
     from opd.data import load_jsonl
     from worlds.toolcalc.prepare import TEST_CONFIG, prepare
 
     cfg = replace(TEST_CONFIG, world="chain", max_turns=4, teacher_recovery_steps=2,
-                  confirm=confirm)
+                  confirm=confirm, checked=checked)
     prepared = prepare(cfg, tmp_path)
     report = prepared.report
     assert report["teacher"]["steps"] == cfg.teacher_steps + cfg.teacher_recovery_steps
@@ -255,7 +278,8 @@ def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets
     assert confirms(prepared.train_data) == confirms(prepared.teacher_train_data) == 0
     for data in (prepared.train_data, prepared.prompts_data, prepared.heldout_data):
         assert all(r["environment"].get("confirm", False) == confirm
-                   and ("confirm" in json.dumps(r["tools"])) == confirm for r in load_jsonl(data))
+                   and ("confirm" in json.dumps(r["tools"])) == confirm
+                   and ("plan" in r["environment"]) == checked for r in load_jsonl(data))
 
 
 def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers():

@@ -139,12 +139,14 @@ CONFIRM_SCHEMA = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {}, "required": []}}}
 
 
-def chain_record(task: ChainTask, confirm: bool = False) -> dict:
+def chain_record(task: ChainTask, confirm: bool = False, checked: bool = False) -> dict:
     """The task as a prompt-only dataset line (rollout, eval); `confirm`: the environment offers
-    the `confirm` tool (module docstring)."""
+    the `confirm` tool; `checked`: it also knows the task's calls (module docstring)."""
     environment: dict = {"stated": list(task.stated)}
     if confirm:
         environment["confirm"] = True
+    if checked:
+        environment["plan"] = [[step.name, step.arguments] for step in task.steps]
     return {"messages": [{"role": "user", "content": task.question}],
             "tools": [*TOOL_SCHEMAS, CONFIRM_SCHEMA] if confirm else TOOL_SCHEMAS,
             "answer": task.answer, "family": task.family, "environment": environment}
@@ -157,17 +159,19 @@ def _call_message(step: ToolStep, arguments: dict | None = None) -> dict:
 
 
 def chain_oracle_record(task: ChainTask, rng: random.Random | None = None,
-                        slip_rate: float = 0.0, confirm: bool = False) -> dict:
+                        slip_rate: float = 0.0, confirm: bool = False,
+                        checked: bool = False) -> dict:
     """The task with the oracle's turns. With `slip_rate`, each call is first made with a slip
     (one digit pair or one letter changed) at that rate: the slipped turn has `"weight": 0` (a
     context turn, never a target), the environment's real rejection follows, then the correct
     call, or with `confirm` a `confirm` call where the rejection suggested the intended value:
-    a demonstration of recovery."""
-    record = chain_record(task, confirm)
+    a demonstration of recovery. `checked`: a third of the calculator slips are a wrong
+    operation instead, which only an environment that knows the task's calls rejects."""
+    record = chain_record(task, confirm, checked)
     environment = ChainEnvironment(record["environment"])
     for step in task.steps:
         if rng is not None and rng.random() < slip_rate:
-            slipped = _slip(step, rng)
+            slipped = _slip(step, rng, operations=checked)
             try:
                 environment.call(step.name, slipped)
             except ValueError as error:
@@ -190,14 +194,18 @@ def _confirm_message() -> dict:
         {"type": "function", "function": {"name": "confirm", "arguments": {}}}]}
 
 
-def _slip(step: ToolStep, rng: random.Random) -> dict:
-    """The step's arguments with one copying slip the environment rejects."""
+def _slip(step: ToolStep, rng: random.Random, operations: bool = False) -> dict:
+    """The step's arguments with one copying slip the environment rejects, or with
+    `operations`, for a third of the calculator steps, the wrong operation."""
     if step.name == "lookup":
         entity = step.arguments["entity"]
         at = rng.randrange(1, len(entity))
         letter = rng.choice([c for c in "aeiounrst" if c != entity[at]])
         return dict(step.arguments, entity=entity[:at] + letter + entity[at + 1:])
     expression = step.arguments["expression"]
+    if operations and rng.random() < 1 / 3:
+        left, sign, right = expression.split(" ")
+        return {"expression": f"{left} {rng.choice([o for o in '+-*' if o != sign])} {right}"}
     numbers = list(_NUMBER.finditer(expression))
     number = rng.choice(numbers)
     digits = number.group()
@@ -235,8 +243,9 @@ class ChainEnvironment:
             raise ValueError('a chain environment needs {"stated": [numbers]}')
         self.known = [str(abs(number)) for number in stated]
         self.confirm = config.get("confirm") is True
+        self.plan = config.get("plan")
         self.suggested: tuple[str, dict] | None = None
-        self.calls = 0
+        self.calls = self.done = 0
 
     def call(self, name: str, arguments: dict):
         self.calls += 1
@@ -246,6 +255,8 @@ class ChainEnvironment:
                                  "suggested")
             name, arguments = self.suggested
         self.suggested = None
+        if self.plan is not None:
+            self._check_plan(name, arguments)
         if name == "lookup":
             result = self._lookup(**arguments)
         elif name == "calculator":
@@ -262,7 +273,26 @@ class ChainEnvironment:
         else:
             result = TOOL_FUNCTIONS[name](**arguments)
         self.known.append(str(abs(result["result"])))
+        self.done += 1
         return result
+
+    def _check_plan(self, name: str, arguments: dict) -> None:
+        """A checked episode accepts exactly the task's next call; one close to it (the same
+        tool, at most two numbers, operators or fields different) is rejected with it as the
+        suggestion, any other without one, so that no call made at random is fixed."""
+        if self.done >= len(self.plan):
+            raise ValueError("the question has no more steps; give the answer")
+        gold_name, gold_arguments = self.plan[self.done]
+        if name == gold_name and _parts(name, arguments) == _parts(gold_name, gold_arguments):
+            return
+        step = f"step {self.done + 1} of the question is not {_shown(name, arguments)}"
+        if name == gold_name and len(_parts(name, arguments)) \
+                == len(_parts(gold_name, gold_arguments)) and sum(
+                a != b for a, b in zip(_parts(name, arguments),
+                                       _parts(gold_name, gold_arguments))) <= 2:
+            self._reject(f"{step}; did you mean {_shown(gold_name, gold_arguments)}?",
+                         (gold_name, gold_arguments))
+        raise ValueError(step)
 
     def _reject(self, message: str, suggested: tuple[str, dict]) -> NoReturn:
         if self.confirm:
@@ -282,6 +312,18 @@ class ChainEnvironment:
 
     def state(self) -> dict:
         return {"calls": self.calls}
+
+
+def _parts(name: str, arguments: dict) -> list[str]:
+    if name == "calculator":
+        return re.findall(r"\d+(?:\.\d+)?|[^\d\s]", str(arguments.get("expression", "")))
+    return [str(arguments.get(key)) for key in sorted(arguments)]
+
+
+def _shown(name: str, arguments: dict) -> str:
+    if name == "calculator":
+        return str(arguments.get("expression"))
+    return f"{name}({', '.join(str(value) for value in arguments.values())})"
 
 
 def check_chain_answer(final_text: str, record: dict) -> bool:

@@ -120,6 +120,9 @@ class PrepareConfig:
     # The chain world's `confirm` tool (worlds.toolcalc.chain): a rejection's suggestion can be
     # run with one fixed call, and the teacher's recovery demonstrations use it.
     confirm: bool = False
+    # And an environment that knows each task's calls (`checked`, with confirm): any call close
+    # to the task's next one is rejected with that call as its suggestion.
+    checked: bool = False
     slip_rate: float = 0.3
     teacher_recovery_steps: int = 0
     teacher_recovery_lr: float = 2e-3
@@ -143,6 +146,7 @@ CHAIN_CONFIG = PrepareConfig(world="chain", heldout_tasks=400, max_turns=12, max
                              student_steps=5000)
 # The chain world with `confirm` (the second chain world): the same tasks, models and steps.
 CONFIRM_CONFIG = replace(CHAIN_CONFIG, confirm=True)
+CHECKED_CONFIG = replace(CONFIRM_CONFIG, checked=True)
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -228,6 +232,8 @@ prepare_chain = _prepare_step(CHAIN_CONFIG, "The chain world (worlds.toolcalc.ch
                                             "its recipe, recipes/toolcalc_chain.yaml.")
 prepare_confirm = _prepare_step(CONFIRM_CONFIG, "The chain world with its confirm tool; with "
                                                 "recipes/toolcalc_confirm.yaml.")
+prepare_checked = _prepare_step(CHECKED_CONFIG, "The checked chain world; with "
+                                                "recipes/toolcalc_checked.yaml.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 
@@ -295,20 +301,20 @@ def _write_chain_data(cfg: PrepareConfig, out: Prepared) -> None:
     train = generate_chain_tasks(cfg.train_tasks, cfg.seed + 2, exclude=held_questions)
     prompts = generate_chain_tasks(cfg.prompt_tasks, cfg.seed + 3, exclude=held_questions)
     teacher = generate_chain_tasks(cfg.train_tasks, cfg.seed + 4, exclude=held_questions)
-    slips, confirm = random.Random(cfg.seed + 5), cfg.confirm
-    write_jsonl(out.train_data, [chain_oracle_record(task, confirm=confirm) for task in train])
-    write_jsonl(out.teacher_train_data,
-                [chain_oracle_record(task, confirm=confirm) for task in teacher])
+    slips, world = random.Random(cfg.seed + 5), {"confirm": cfg.confirm, "checked": cfg.checked}
+    write_jsonl(out.train_data, [chain_oracle_record(task, **world) for task in train])
+    write_jsonl(out.teacher_train_data, [chain_oracle_record(task, **world) for task in teacher])
     write_jsonl(out.teacher_recovery_data,
-                [chain_oracle_record(task, slips, cfg.slip_rate, confirm) for task in teacher])
-    write_jsonl(out.heldout_data, [chain_record(task, confirm) for task in heldout])
-    write_jsonl(out.prompts_data, [chain_record(task, confirm) for task in prompts])
+                [chain_oracle_record(task, slips, cfg.slip_rate, **world) for task in teacher])
+    write_jsonl(out.heldout_data, [chain_record(task, **world) for task in heldout])
+    write_jsonl(out.prompts_data, [chain_record(task, **world) for task in prompts])
 
 
 def recovery_probes(cfg: PrepareConfig, count: int = 200) -> list[dict]:
     """Demonstrations with slips of tasks drawn with their own seed (seed + 6), never trained on:
     the probe of whether a model's next call after a rejection is the corrected one."""
-    return [chain_oracle_record(task, random.Random(cfg.seed + 7 + i), cfg.slip_rate, cfg.confirm)
+    return [chain_oracle_record(task, random.Random(cfg.seed + 7 + i), cfg.slip_rate, cfg.confirm,
+                                cfg.checked)
             for i, task in enumerate(generate_chain_tasks(count, cfg.seed + 6))]
 
 
@@ -428,6 +434,8 @@ def main(argv: list[str] | None = None) -> Prepared:
                         help="the chain world (worlds.toolcalc.chain)")
     parser.add_argument("--confirm", action="store_true",
                         help="the chain world with its confirm tool")
+    parser.add_argument("--checked", action="store_true",
+                        help="the chain world with confirm and an environment that knows the calls")
     parser.add_argument("--hard", action="store_true",
                         help="the harder world (three_hop tasks too)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -436,7 +444,8 @@ def main(argv: list[str] | None = None) -> Prepared:
                                             "~/.cache/opd-recipes)")
     args = parser.parse_args(argv)
     cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else \
-        CHAIN_CONFIG if args.chain else CONFIRM_CONFIG if args.confirm else PrepareConfig()
+        CHAIN_CONFIG if args.chain else CONFIRM_CONFIG if args.confirm else \
+        CHECKED_CONFIG if args.checked else PrepareConfig()
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)
