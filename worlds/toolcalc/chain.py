@@ -47,6 +47,15 @@ call, a skill the small student can learn, while its slips stay (they come from 
 The teacher's recovery demonstrations confirm when the suggestion is the intended value and
 rewrite the call otherwise.
 
+**Checked** (the third, `PrepareConfig.checked`, with confirm): the confirm world's student
+failed mostly by a number the environment knew (the wrong operation on a stated number), which no
+rejection catches. A checked episode's environment knows the task's calls (the record's
+`"plan"`, never shown to the model) and accepts exactly the next one; a close miss (the same
+tool, at most two numbers, operators or fields different) is rejected with the task's call as
+the suggestion, any other call without one, so that a random call is never fixed. The teacher's
+demonstrations add wrong operations to the slips. This is a validating API that knows the task,
+added so that most of the student's mistakes become states a learnable recovery leaves.
+
 Tasks are written in the same JSONL form as toolcalc's (`messages`, `tools`, `answer`), plus
 `environment` (the values the question states) and `family` ("chain_<calls>", so evaluation
 reports success by horizon).
