@@ -303,11 +303,12 @@ def test_slurm_warning_signal_does_not_kill_workers(executor):
     results = executor.run_batch([[_call("pid")] * 8])[0]
     assert [r.status for r in results] == ["ok"] * 8, results
     # The same workers, none replaced. A call's own process may still be exiting when the batch
-    # returns (seen on a loaded machine), so wait for the tree to settle.
+    # returns (seen on a loaded machine, once for longer than 10 s under a load of 5 on 2 cores),
+    # so wait for the tree to settle, and require only that every first worker still lives.
     deadline = time.monotonic() + 10
     while _worker_processes(executor) != pids and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _worker_processes(executor) == pids
+    assert pids <= _worker_processes(executor)
 
 
 def test_runs_from_threads(executor):

@@ -1,0 +1,73 @@
+"""Why reverse KL cannot teach a recovery the student never makes: on a prepared chain world's
+recovery probes (demonstrations with slips, never trained on), teacher-forced, the probability
+the warm student and the teacher give the demonstration's token at the recovery's decision (the
+first token of the recovery turn where the student's greedy choice differs; the last one if none
+does). Full-vocabulary reverse KL moves a student logit in proportion to the student's own
+probability of that token, forward KL in proportion to the teacher's.
+
+    python bench/recovery_token.py [--world checked|confirm|chain] [--probes 100]
+
+Prints one JSON line. Builds the world if it is not cached (about 14 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from opd.chat import ChatFormat
+    from opd.data import completion_trajectory
+    from worlds.toolcalc.prepare import (
+        CHAIN_CONFIG,
+        CHECKED_CONFIG,
+        CONFIRM_CONFIG,
+        prepare,
+        recovery_probes,
+    )
+    from worlds.toolcalc.tokenizer import load_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", choices=("checked", "confirm", "chain"), default="checked")
+    parser.add_argument("--probes", type=int, default=100)
+    args = parser.parse_args()
+    cfg = {"checked": CHECKED_CONFIG, "confirm": CONFIRM_CONFIG, "chain": CHAIN_CONFIG}[args.world]
+    torch.set_num_threads(1)
+    world = prepare(cfg)
+    chat = ChatFormat(load_tokenizer(world.tokenizer))
+    models = {role: AutoModelForCausalLM.from_pretrained(path).eval()
+              for role, path in (("student", world.student), ("teacher", world.teacher))}
+    probes = [completion_trajectory(chat, r["messages"], r["tools"])
+              for r in recovery_probes(cfg, args.probes)]
+    probabilities: dict[str, list[float]] = {role: [] for role in models}
+    with torch.no_grad():
+        for trajectory in probes:
+            ids = trajectory.input_ids
+            logprobs = {role: torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+                        for role, model in models.items()}
+            after_rejection = False
+            for start, end, kind in trajectory.spans:
+                if kind == "assistant_context":
+                    after_rejection = True
+                elif kind == "assistant" and after_rejection:
+                    after_rejection = False
+                    decision = next((i for i in range(start, end)
+                                     if logprobs["student"][i - 1].argmax().item() != ids[i]),
+                                    end - 1)
+                    for role in models:
+                        probabilities[role].append(
+                            logprobs[role][decision - 1, ids[decision]].exp().item())
+    print(json.dumps({"world": args.world, "recovery_turns": len(probabilities["student"]), **{
+        f"{role}_median_p": float(f"{statistics.median(values):.3g}")
+        for role, values in probabilities.items()}, **{
+        f"{role}_mean_p": round(statistics.mean(values), 4)
+        for role, values in probabilities.items()}}))
+
+
+if __name__ == "__main__":
+    main()
