@@ -10,8 +10,8 @@ teacher trained on recoveries the distiller never sees) is its own recipe:
     python bench/quality.py --recipe recipes/toolcalc_chain.yaml --out runs/quality_chain \
         --seeds 0,1,2 --jobs 2
 
-and so are its variants with a learnable recovery, recipes/toolcalc_confirm.yaml and
-recipes/toolcalc_checked.yaml (BENCHMARKS.md).
+and so is its variant with a learnable recovery, recipes/toolcalc_confirm.yaml, whose checked
+world is the override prepare=worlds.toolcalc.prepare:prepare_checked (BENCHMARKS.md).
 
 The harder world (three_hop tasks too, four assistant turns) is the same recipe with its
 prepare step and turn limit overridden:

@@ -27,6 +27,7 @@ def main() -> None:
         CHAIN_CONFIG,
         CHECKED_CONFIG,
         CONFIRM_CONFIG,
+        assistant_turns,
         prepare,
         recovery_probes,
     )
@@ -50,18 +51,15 @@ def main() -> None:
             ids = trajectory.input_ids
             logprobs = {role: torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
                         for role, model in models.items()}
-            after_rejection = False
-            for start, end, kind in trajectory.spans:
-                if kind == "assistant_context":
-                    after_rejection = True
-                elif kind == "assistant" and after_rejection:
-                    after_rejection = False
-                    decision = next((i for i in range(start, end)
-                                     if logprobs["student"][i - 1].argmax().item() != ids[i]),
-                                    end - 1)
-                    for role in models:
-                        probabilities[role].append(
-                            logprobs[role][decision - 1, ids[decision]].exp().item())
+            for start, end, after_rejection in assistant_turns(trajectory):
+                if not after_rejection:
+                    continue
+                decision = next((i for i in range(start, end)
+                                 if logprobs["student"][i - 1].argmax().item() != ids[i]),
+                                end - 1)
+                for role in models:
+                    probabilities[role].append(
+                        logprobs[role][decision - 1, ids[decision]].exp().item())
     print(json.dumps({"world": args.world, "recovery_turns": len(probabilities["student"]), **{
         f"{role}_median_p": float(f"{statistics.median(values):.3g}")
         for role, values in probabilities.items()}, **{

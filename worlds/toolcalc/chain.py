@@ -244,7 +244,8 @@ def _nearest(value: str, known: list[str]) -> str:
 class ChainEnvironment:
     """One chain episode: toolcalc's tools, strict about where numbers come from (see the
     module docstring). Config: the record's "environment", {"stated": [numbers]}, with
-    "confirm": true for the `confirm` tool. `suggested`: the call a `confirm` would run now."""
+    "confirm": true for the `confirm` tool and "plan": [[name, arguments], ...] for a checked
+    episode. `suggested`: the call a `confirm` would run now; `done`: calls accepted."""
 
     def __init__(self, config: dict):
         stated = config.get("stated") if isinstance(config, dict) else None
@@ -292,13 +293,12 @@ class ChainEnvironment:
         if self.done >= len(self.plan):
             raise ValueError("the question has no more steps; give the answer")
         gold_name, gold_arguments = self.plan[self.done]
-        if name == gold_name and _parts(name, arguments) == _parts(gold_name, gold_arguments):
+        parts, gold_parts = _parts(name, arguments), _parts(gold_name, gold_arguments)
+        if name == gold_name and parts == gold_parts:
             return
         step = f"step {self.done + 1} of the question is not {_shown(name, arguments)}"
-        if name == gold_name and len(_parts(name, arguments)) \
-                == len(_parts(gold_name, gold_arguments)) and sum(
-                a != b for a, b in zip(_parts(name, arguments),
-                                       _parts(gold_name, gold_arguments))) <= 2:
+        if name == gold_name and len(parts) == len(gold_parts) \
+                and sum(a != b for a, b in zip(parts, gold_parts)) <= 2:
             self._reject(f"{step}; did you mean {_shown(gold_name, gold_arguments)}?",
                          (gold_name, gold_arguments))
         raise ValueError(step)

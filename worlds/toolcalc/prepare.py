@@ -233,7 +233,7 @@ prepare_chain = _prepare_step(CHAIN_CONFIG, "The chain world (worlds.toolcalc.ch
 prepare_confirm = _prepare_step(CONFIRM_CONFIG, "The chain world with its confirm tool; with "
                                                 "recipes/toolcalc_confirm.yaml.")
 prepare_checked = _prepare_step(CHECKED_CONFIG, "The checked chain world; with "
-                                                "recipes/toolcalc_checked.yaml.")
+                                                "recipes/toolcalc_confirm.yaml.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 
@@ -318,6 +318,18 @@ def recovery_probes(cfg: PrepareConfig, count: int = 200) -> list[dict]:
             for i, task in enumerate(generate_chain_tasks(count, cfg.seed + 6))]
 
 
+def assistant_turns(trajectory):
+    """(start, end, after_rejection) of each trained assistant turn of a demonstration, where
+    after_rejection says it follows a weight-0 (slipped) turn."""
+    after_rejection = False
+    for start, end, kind in trajectory.spans:
+        if kind == "assistant_context":
+            after_rejection = True
+        elif kind == "assistant":
+            yield start, end, after_rejection
+            after_rejection = False
+
+
 def next_call_exactness(model, probes: list) -> dict:
     """Teacher-forced on demonstrations with slips: the share of assistant turns whose every
     token is the model's greedy choice, right after a rejected call (`after_rejection`: does it
@@ -328,14 +340,9 @@ def next_call_exactness(model, probes: list) -> dict:
         for trajectory in probes:
             ids = trajectory.input_ids
             greedy_ids = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
-            after_rejection = False
-            for start, end, kind in trajectory.spans:
-                if kind == "assistant_context":
-                    after_rejection = True
-                elif kind == "assistant":
-                    exact["after_rejection" if after_rejection else "elsewhere"].append(
-                        all(greedy_ids[i - 1] == ids[i] for i in range(start, end)))
-                    after_rejection = False
+            for start, end, after_rejection in assistant_turns(trajectory):
+                exact["after_rejection" if after_rejection else "elsewhere"].append(
+                    all(greedy_ids[i - 1] == ids[i] for i in range(start, end)))
     return {key: round(sum(values) / max(1, len(values)), 3) for key, values in exact.items()}
 
 
