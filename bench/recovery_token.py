@@ -5,7 +5,7 @@ first token of the recovery turn where the student's greedy choice differs; the 
 does). Full-vocabulary reverse KL moves a student logit in proportion to the student's own
 probability of that token, forward KL in proportion to the teacher's.
 
-    python bench/recovery_token.py [--world checked|confirm|chain] [--probes 100]
+    python bench/recovery_token.py [--world checked|checked_prior|confirm|chain] [--probes 100]
 
 Prints one JSON line. Builds the world if it is not cached (about 14 minutes).
 """
@@ -26,6 +26,7 @@ def main() -> None:
     from worlds.toolcalc.prepare import (
         CHAIN_CONFIG,
         CHECKED_CONFIG,
+        CHECKED_PRIOR_CONFIG,
         CONFIRM_CONFIG,
         assistant_turns,
         prepare,
@@ -34,10 +35,12 @@ def main() -> None:
     from worlds.toolcalc.tokenizer import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", choices=("checked", "confirm", "chain"), default="checked")
+    parser.add_argument("--world", choices=("checked", "checked_prior", "confirm", "chain"),
+                        default="checked")
     parser.add_argument("--probes", type=int, default=100)
     args = parser.parse_args()
-    cfg = {"checked": CHECKED_CONFIG, "confirm": CONFIRM_CONFIG, "chain": CHAIN_CONFIG}[args.world]
+    cfg = {"checked": CHECKED_CONFIG, "checked_prior": CHECKED_PRIOR_CONFIG,
+           "confirm": CONFIRM_CONFIG, "chain": CHAIN_CONFIG}[args.world]
     torch.set_num_threads(1)
     world = prepare(cfg)
     chat = ChatFormat(load_tokenizer(world.tokenizer))

@@ -150,10 +150,12 @@ class LossConfig:
     beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
     temperature: float = positive(1.0)
     chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
-    # On-policy only: train none of the student's tokens after its first refused call. Where the
-    # student cannot yet learn the teacher's recovery, those states dominate the loss and undo
-    # its first-try calls (README, "Where on-policy distillation pays").
-    mask_after_refused_call: bool = False
+    # On-policy only: train none of the student's tokens after its Nth refused call (0: all of
+    # them). 1: where the student cannot learn the teacher's recovery, the states after a refusal
+    # dominate the loss and undo its first-try calls; 2: the turn after the first refusal (the
+    # recovery the teacher scores) trains, a loop of refusals does not (README, "Where on-policy
+    # distillation pays").
+    mask_after_refusals: int = at_least(0, 0)
     # Fraction of steps trained on dataset completions instead of the student's own samples:
     # the complement of GKD's (and TRL's) lambda, which is the on-policy fraction.
     off_policy_fraction: float = within(0, 1, 0.0)
@@ -380,6 +382,9 @@ RENAMED = {
     "loss.gkd_lambda": "loss.gkd_lambda was renamed loss.off_policy_fraction (the fraction of "
                        "steps trained on dataset completions); GKD's and TRL's lambda is the "
                        "on-policy fraction, so lambda=0.9 is off_policy_fraction=0.1",
+    "loss.mask_after_refused_call": "loss.mask_after_refused_call was replaced by "
+                                    "loss.mask_after_refusals, a count: true is 1 (no target "
+                                    "after the first refused call), false is 0",
 }
 
 

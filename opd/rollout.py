@@ -422,9 +422,8 @@ class _BatchRollout:
                 [result.content for result in results[episode]], row.tools,
                 trajectory.input_ids[-1])
             self._append_context(row, observation, "observation")
-            if trajectory.refused_at is None and \
-                    any(result.status != "ok" for result in results[episode]):
-                trajectory.refused_at = len(trajectory.input_ids)
+            if any(result.status != "ok" for result in results[episode]):
+                trajectory.refusal_ends.append(len(trajectory.input_ids))
 
     def _append_user_turn(self, row: _Row) -> None:
         """The next user message, with the tools offered from its turn on."""

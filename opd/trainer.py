@@ -208,13 +208,12 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
                                    world.world_size, run.epoch_orders.setdefault("prompts", {}))
             group = config.rollout.samples_per_prompt  # a prompt's samples stay on one rank
             prompts = [record for record in prompts for _ in range(group)]
-            cut = config.loss.mask_after_refused_call
-            finished = early if early is None or not cut else _masking_refusals(early)
+            cut = config.loss.mask_after_refusals
+            finished = early if early is None or not cut else _masking_refusals(early, cut)
             trajectories = run.sampler.sample(prompts, rollout_seed(config, step, world.rank),
                                               finished)
-            if cut:
-                for trajectory in trajectories:
-                    trajectory.mask_after_refusal()
+            for trajectory in trajectories:
+                trajectory.mask_after_refusals(cut)
             metrics.update(run.sampler.metrics())
             if config.loss.reward_weight > 0:
                 metrics.update(score_rewards(run, prompts, trajectories))
@@ -240,11 +239,11 @@ def collect(run: Run, step: int) -> tuple[list[AgentTrajectory], bool, dict]:
     return trajectories, is_off_policy, metrics
 
 
-def _masking_refusals(on_finished: OnFinished) -> OnFinished:
-    """`on_finished` hearing of each conversation with its targets after a refusal masked, so an
-    early-scoring teacher scores only the tokens that train."""
+def _masking_refusals(on_finished: OnFinished, count: int) -> OnFinished:
+    """`on_finished` hearing of each conversation with its targets after `count` refusals
+    masked, so an early-scoring teacher scores only the tokens that train."""
     def masked(index: int, trajectory: AgentTrajectory) -> None:
-        trajectory.mask_after_refusal()
+        trajectory.mask_after_refusals(count)
         on_finished(index, trajectory)
     return masked
 

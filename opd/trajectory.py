@@ -48,9 +48,9 @@ class AgentTrajectory:
     advantage: float = 0.0  # its group-normalised reward (opd.rewards)
     # A per-conversation teacher's scores of the target tokens (opd.teachers.base.TeacherScores)
     teacher_scores: Any = None
-    # Where the observation of the first refused (invalid or failed) call ends: the student's
-    # tokens from here on were written after a refusal (loss.mask_after_refused_call).
-    refused_at: int | None = None
+    # Where the observation of each turn with a refused (invalid or failed) call ends: the
+    # student's tokens after the Nth were written after N refusals (loss.mask_after_refusals).
+    refusal_ends: list[int] = field(default_factory=list)
 
     @classmethod
     def from_prompt(cls, ids: Sequence[int]) -> AgentTrajectory:
@@ -65,13 +65,14 @@ class AgentTrajectory:
         self.assistant_mask.extend([kind == "assistant"] * len(ids))
         self.spans.append((start, len(self.input_ids), kind))
 
-    def mask_after_refusal(self) -> None:
-        """No target after the first refused call's observation; the sampler's log-probs of the
-        targets kept stay aligned with them. Idempotent."""
-        if self.refused_at is None:
+    def mask_after_refusals(self, count: int) -> None:
+        """No target after the observation of the `count`th turn with a refused call (none: all
+        stay); the sampler's log-probs of the targets kept stay aligned with them. Idempotent."""
+        if count < 1 or len(self.refusal_ends) < count:
             return
-        kept = sum(self.assistant_mask[:self.refused_at])
-        self.assistant_mask[self.refused_at:] = [False] * (len(self.input_ids) - self.refused_at)
+        cut = self.refusal_ends[count - 1]
+        kept = sum(self.assistant_mask[:cut])
+        self.assistant_mask[cut:] = [False] * (len(self.input_ids) - cut)
         self.logprobs = self.logprobs[:kept]
 
     def assistant_spans(self) -> list[tuple[int, int]]:

@@ -246,19 +246,30 @@ def test_next_call_exactness_tells_recovery_turns_from_the_others():
     assert exact["after_rejection"] == pytest.approx(1 - 1 / len(recoveries), abs=1e-3)
 
 
-@pytest.mark.parametrize("confirm, checked", [(False, False), (True, False), (True, True)])
-def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(tmp_path,
-                                                                                 confirm, checked):
+@pytest.mark.parametrize("confirm, checked, prior", [(False, False, 0), (True, False, 0),
+                                                     (True, True, 8)])
+def test_chain_prepare_trains_the_teacher_on_recoveries_the_distiller_never_gets(
+        tmp_path, confirm, checked, prior):
+    """And, with a student recovery prior, the student on a few recoveries of its own tasks."""
     from dataclasses import replace
 
     from opd.data import load_jsonl
     from worlds.toolcalc.prepare import TEST_CONFIG, prepare
 
     cfg = replace(TEST_CONFIG, world="chain", max_turns=4, teacher_recovery_steps=2,
-                  confirm=confirm, checked=checked)
+                  confirm=confirm, checked=checked, student_recovery_demos=prior,
+                  student_recovery_steps=2 if prior else 0)
     prepared = prepare(cfg, tmp_path)
     report = prepared.report
     assert report["teacher"]["steps"] == cfg.teacher_steps + cfg.teacher_recovery_steps
+    assert report["student"]["steps"] == cfg.student_steps + cfg.student_recovery_steps
+    assert prepared.student_recovery_data.exists() == bool(prior)
+    if prior:
+        own = load_jsonl(prepared.student_recovery_data)
+        assert len(own) == prior and any(m.get("weight") == 0 for r in own
+                                         for m in r["messages"])
+        assert not {r["messages"][0]["content"] for r in load_jsonl(prepared.heldout_data)} & \
+            {r["messages"][0]["content"] for r in own}
     for role in ("teacher", "student"):
         assert set(report[role]["next_call_exact"]) == {"after_rejection", "elsewhere"}
     recovery = load_jsonl(prepared.teacher_recovery_data)
@@ -336,9 +347,10 @@ def test_takeover_probe_resumes_the_students_own_state_and_scores_who_recovers()
                                                        "teacher_greedy": 0, "teacher_sampled": 0}}
 
 
-def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned():
-    """loss.mask_after_refused_call: the student's tokens after its first refused call stop
-    being targets, those before stay, and the sampler's log-probs keep one per target."""
+def test_the_rollout_marks_each_refusal_and_masking_keeps_log_probs_aligned():
+    """loss.mask_after_refusals: after N refused calls the student's tokens stop being targets
+    (2 keeps the turn after the first refusal, its recovery), those before stay, and the
+    sampler's log-probs keep one per target."""
     from scripted_model import ScriptedPolicy, call_text
 
     from opd.config import RolloutConfig
@@ -349,8 +361,8 @@ def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned
     task = next(task for task in generate_chain_tasks(60, seed=11)
                 if task.calls == 3 and task.steps[1].name == "calculator")
     first, second, third = task.steps
-    turns = [call_text(first.name, first.arguments),
-             call_text("calculator", _slip(second, random.Random(0))),
+    slipped = call_text("calculator", _slip(second, random.Random(0)))
+    turns = [call_text(first.name, first.arguments), slipped, slipped,
              call_text(second.name, second.arguments), call_text(third.name, third.arguments),
              answer_text(task.answer)]
     chat = ChatFormat(load_tokenizer(TOKENIZER_DIR))
@@ -358,17 +370,29 @@ def test_the_rollout_marks_the_first_refusal_and_masking_keeps_log_probs_aligned
                             "<|im_start|>assistant\n")
     with ToolExecutor(toolcalc_registry(), environment=ChainEnvironment) as executor:
         [trajectory] = rollout(policy, chat, executor, [chain_record(task)],
-                               RolloutConfig(max_turns=6, max_new_tokens=64, max_total_len=768))
+                               RolloutConfig(max_turns=7, max_new_tokens=64, max_total_len=768))
     observations = [(start, end) for start, end, kind in trajectory.spans if kind == "observation"]
-    refusal = observations[1]
-    assert '"error"' in chat.tokenizer.decode(trajectory.input_ids[slice(*refusal)])
+    refusals = observations[1:3]
+    assert all('"error"' in chat.tokenizer.decode(trajectory.input_ids[slice(*r)])
+               for r in refusals)
     assert '"error"' not in chat.tokenizer.decode(trajectory.input_ids[slice(*observations[0])])
-    assert trajectory.refused_at == refusal[1]
+    assert trajectory.refusal_ends == [end for _, end in refusals]
     assert len(trajectory.logprobs) == sum(trajectory.assistant_mask)
-    before = list(trajectory.assistant_mask[:refusal[1]])
-    recovered = trajectory.assistant_spans()[2]  # the corrected call, after the refusal
-    trajectory.mask_after_refusal()
-    trajectory.mask_after_refusal()  # idempotent
-    assert trajectory.assistant_mask[:refusal[1]] == before and any(before)
+    spans = trajectory.assistant_spans()
+    second_slip, recovered = spans[2], spans[3]  # the slip repeated, then the corrected call
+    mask, logprobs = list(trajectory.assistant_mask), list(trajectory.logprobs)
+
+    trajectory.mask_after_refusals(3)  # only two refusals: nothing changes
+    trajectory.mask_after_refusals(0)
+    assert trajectory.assistant_mask == mask
+    trajectory.mask_after_refusals(2)
+    kept = sum(mask[:refusals[1][1]])
+    assert all(trajectory.assistant_mask[second_slip[0]:second_slip[1]])
     assert not any(trajectory.assistant_mask[recovered[0]:])
-    assert len(trajectory.logprobs) == sum(before)
+    assert trajectory.logprobs == logprobs[:kept]
+    trajectory.mask_after_refusals(1)
+    trajectory.mask_after_refusals(1)  # idempotent
+    before = mask[:refusals[0][1]]
+    assert trajectory.assistant_mask[:refusals[0][1]] == before and any(before)
+    assert not any(trajectory.assistant_mask[second_slip[0]:])
+    assert trajectory.logprobs == logprobs[:sum(before)]

@@ -125,6 +125,27 @@ def test_jsd_end_points_are_the_kls():
         distillation_loss(student, teacher, mask, direction="reverse_kl").item()
 
 
+@pytest.mark.parametrize("direction, beta, teaches", [
+    ("forward_kl", 0.5, True), ("reverse_kl", 0.5, False), ("jsd", 0.5, False),
+    ("jsd", 0.1, False)])
+def test_only_forward_kl_teaches_an_action_the_student_never_takes(direction, beta, teaches):
+    # The checked world's recovery (bench/recovery_token.py): the teacher is sure of a token the
+    # warm student gives ~1e-17. Forward KL's gradient on that logit is q - p, about -p; every
+    # other divergence's is proportional to the student's own probability (zero-forcing), so
+    # on-policy reverse KL or JSD cannot raise it, whatever the teacher says.
+    student = torch.zeros(1, 1, 8, dtype=torch.float64)
+    student[0, 0, 0] = -40.0
+    teacher = torch.full((1, 1, 8), -30.0, dtype=torch.float64)
+    teacher[0, 0, 0] = 0.0
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    _, grad = _value_and_grad(distillation_loss, student, teacher, mask,
+                              direction=direction, beta=beta)
+    if teaches:
+        assert grad[0, 0, 0].item() < -0.99
+    else:
+        assert abs(grad[0, 0, 0].item()) < 1e-15
+
+
 @pytest.mark.parametrize("direction, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5),
                                              ("jsd", 0.3)])
 def test_gradcheck_float64(direction, beta):

@@ -55,6 +55,9 @@ def one_sentence(result: subprocess.CompletedProcess) -> str:
     ("tools.max_result_chars=32", "tools.max_result_chars must be at least 64"),
     ("tools.memory_limit_mb=0", "tools.memory_limit_mb must be at least 32"),
     ("loss.gkd_lambda=0.9", "loss.gkd_lambda was renamed loss.off_policy_fraction"),
+    ("loss.mask_after_refused_call=true", "loss.mask_after_refused_call was replaced by "
+                                          "loss.mask_after_refusals, a count: true is 1"),
+    ("loss.mask_after_refusals=-1", "loss.mask_after_refusals must be at least 0"),
 ])
 def test_plugins_and_bounds_fail_in_one_sentence_before_any_engine(world_dir, override,
                                                                    message):

@@ -126,6 +126,15 @@ class PrepareConfig:
     slip_rate: float = 0.3
     teacher_recovery_steps: int = 0
     teacher_recovery_lr: float = 2e-3
+    # A student that knows the recovery exists but rarely makes it, as a pretrained student knows
+    # a tool's conventions: after its clean warm start, `student_recovery_steps` at
+    # `student_recovery_lr` on its clean demonstrations plus `student_recovery_demos`
+    # demonstrations with slips and corrections of other tasks (data/student_recovery.jsonl, never
+    # given to the distiller). Without it the checked world's warm student gives the recovery's
+    # decision token a median 1e-17, which no on-policy loss but forward KL can move.
+    student_recovery_demos: int = 0
+    student_recovery_steps: int = 0
+    student_recovery_lr: float = 1e-3
 
 
 # The worlds of the earlier studies (BENCHMARKS.md): the first, with a 600-step warm start; the
@@ -147,6 +156,12 @@ CHAIN_CONFIG = PrepareConfig(world="chain", heldout_tasks=400, max_turns=12, max
 # The chain world with `confirm` (the second chain world): the same tasks, models and steps.
 CONFIRM_CONFIG = replace(CHAIN_CONFIG, confirm=True)
 CHECKED_CONFIG = replace(CONFIRM_CONFIG, checked=True)
+# The checked world with a student recovery prior: 400 recovery demonstrations among its 8,000
+# clean ones for 200 steps put the recovery's decision token at a median 0.021 (0.011-0.028
+# interquartile) on the recovery probes, greedy recovery still 0 (calibrated on the checked
+# world's student: 100 among 2,000 gave 0.013, 300 among 2,000 0.24).
+CHECKED_PRIOR_CONFIG = replace(CHECKED_CONFIG, student_recovery_demos=400,
+                               student_recovery_steps=200)
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -189,6 +204,11 @@ class Prepared:
     def teacher_recovery_data(self) -> Path:
         """The chain teacher's demonstrations of recovery (slips, rejections, corrections)."""
         return self.root / "data" / "teacher_recovery.jsonl"
+
+    @property
+    def student_recovery_data(self) -> Path:
+        """The student's own few recovery demonstrations (its prior; other tasks)."""
+        return self.root / "data" / "student_recovery.jsonl"
 
     @property
     def heldout_data(self) -> Path:
@@ -234,6 +254,9 @@ prepare_confirm = _prepare_step(CONFIRM_CONFIG, "The chain world with its confir
                                                 "recipes/toolcalc_confirm.yaml.")
 prepare_checked = _prepare_step(CHECKED_CONFIG, "The checked chain world; with "
                                                 "recipes/toolcalc_confirm.yaml.")
+prepare_checked_prior = _prepare_step(CHECKED_PRIOR_CONFIG, "The checked world whose student "
+                                                            "knows the recovery exists; with "
+                                                            "recipes/toolcalc_confirm.yaml.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 
@@ -275,8 +298,10 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     with Evaluator(tokenizer, load_jsonl(out.heldout_data), cfg) as evaluator:
         report["teacher"] = _prepare_teacher(cfg, tokenizer, teacher_data, recovery_data,
                                              evaluator, out, probes)
-        report["student"] = _prepare_student(cfg, tokenizer, student_data, evaluator, out,
-                                             probes)
+        student_recovery = conversations(out.student_recovery_data) \
+            if out.student_recovery_data.exists() else []
+        report["student"] = _prepare_student(cfg, tokenizer, student_data, student_recovery,
+                                             evaluator, out, probes)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -308,6 +333,12 @@ def _write_chain_data(cfg: PrepareConfig, out: Prepared) -> None:
                 [chain_oracle_record(task, slips, cfg.slip_rate, **world) for task in teacher])
     write_jsonl(out.heldout_data, [chain_record(task, **world) for task in heldout])
     write_jsonl(out.prompts_data, [chain_record(task, **world) for task in prompts])
+    if cfg.student_recovery_demos:
+        slips = random.Random(cfg.seed + 8)
+        write_jsonl(out.student_recovery_data,
+                    [chain_oracle_record(task, slips, cfg.slip_rate, **world) for task in
+                     generate_chain_tasks(cfg.student_recovery_demos, cfg.seed + 8,
+                                          exclude=held_questions)])
 
 
 def recovery_probes(cfg: PrepareConfig, count: int = 200) -> list[dict]:
@@ -384,7 +415,7 @@ def _prepare_teacher(cfg, tokenizer, conversations, recovery, evaluator, out: Pr
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared,
+def _prepare_student(cfg, tokenizer, conversations, recovery, evaluator, out: Prepared,
                      probes: list) -> dict:
 
     started = time.perf_counter()
@@ -392,6 +423,11 @@ def _prepare_student(cfg, tokenizer, conversations, evaluator, out: Prepared,
     losses = sft(model, conversations, steps=cfg.student_steps, batch_size=cfg.batch_size,
                  lr=cfg.student_lr, warmup_steps=cfg.warmup_steps, seed=cfg.seed + 100,
                  desc="student warm start", pad_token_id=tokenizer.pad_token_id)
+    if recovery and cfg.student_recovery_steps:
+        losses += sft(model, conversations + recovery, steps=cfg.student_recovery_steps,
+                      batch_size=cfg.batch_size, lr=cfg.student_recovery_lr,
+                      warmup_steps=cfg.warmup_steps // 5, seed=cfg.seed + 150,
+                      desc="student recovery prior", pad_token_id=tokenizer.pad_token_id)
     heldout = evaluator(model, "eval student")
     sampled = evaluator(model, "eval student (sampled)", sampled=True)
     save_model(model, tokenizer, out.student)
@@ -443,6 +479,8 @@ def main(argv: list[str] | None = None) -> Prepared:
                         help="the chain world with its confirm tool")
     parser.add_argument("--checked", action="store_true",
                         help="the chain world with confirm and an environment that knows the calls")
+    parser.add_argument("--checked-prior", action="store_true",
+                        help="the checked world whose student knows the recovery exists")
     parser.add_argument("--hard", action="store_true",
                         help="the harder world (three_hop tasks too)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -452,7 +490,8 @@ def main(argv: list[str] | None = None) -> Prepared:
     args = parser.parse_args(argv)
     cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else \
         CHAIN_CONFIG if args.chain else CONFIRM_CONFIG if args.confirm else \
-        CHECKED_CONFIG if args.checked else PrepareConfig()
+        CHECKED_CONFIG if args.checked else CHECKED_PRIOR_CONFIG if args.checked_prior else \
+        PrepareConfig()
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)
