@@ -6,8 +6,11 @@ does). Full-vocabulary reverse KL moves a student logit in proportion to the stu
 probability of that token, forward KL in proportion to the teacher's.
 
     python bench/recovery_token.py [--world checked|checked_prior|confirm|chain] [--probes 100]
+                                   [--trained NAME=MODEL_DIR ...]
 
-Prints one JSON line. Builds the world if it is not cached (about 14 minutes).
+`--trained` adds trained students (a bench/quality.py run's `final/`), read at the warm
+student's decision tokens: did training raise the recovery's probability? Prints one JSON line.
+Builds the world if it is not cached (about 14 minutes).
 """
 
 from __future__ import annotations
@@ -38,14 +41,17 @@ def main() -> None:
     parser.add_argument("--world", choices=("checked", "checked_prior", "confirm", "chain"),
                         default="checked")
     parser.add_argument("--probes", type=int, default=100)
+    parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR",
+                        help="trained students, read at the warm student's decision tokens")
     args = parser.parse_args()
     cfg = {"checked": CHECKED_CONFIG, "checked_prior": CHECKED_PRIOR_CONFIG,
            "confirm": CONFIRM_CONFIG, "chain": CHAIN_CONFIG}[args.world]
     torch.set_num_threads(1)
     world = prepare(cfg)
     chat = ChatFormat(load_tokenizer(world.tokenizer))
-    models = {role: AutoModelForCausalLM.from_pretrained(path).eval()
-              for role, path in (("student", world.student), ("teacher", world.teacher))}
+    paths = [("student", world.student), ("teacher", world.teacher),
+             *(tuple(named.split("=", 1)) for named in args.trained)]
+    models = {role: AutoModelForCausalLM.from_pretrained(path).eval() for role, path in paths}
     probes = [completion_trajectory(chat, r["messages"], r["tools"])
               for r in recovery_probes(cfg, args.probes)]
     probabilities: dict[str, list[float]] = {role: [] for role in models}
