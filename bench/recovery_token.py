@@ -27,10 +27,7 @@ def main() -> None:
     from opd.chat import ChatFormat
     from opd.data import completion_trajectory
     from worlds.toolcalc.prepare import (
-        CHAIN_CONFIG,
-        CHECKED_CONFIG,
-        CHECKED_PRIOR_CONFIG,
-        CONFIRM_CONFIG,
+        NAMED_CONFIGS,
         assistant_turns,
         prepare,
         recovery_probes,
@@ -44,8 +41,7 @@ def main() -> None:
     parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR",
                         help="trained students, read at the warm student's decision tokens")
     args = parser.parse_args()
-    cfg = {"checked": CHECKED_CONFIG, "checked_prior": CHECKED_PRIOR_CONFIG,
-           "confirm": CONFIRM_CONFIG, "chain": CHAIN_CONFIG}[args.world]
+    cfg = NAMED_CONFIGS[args.world][0]
     torch.set_num_threads(1)
     world = prepare(cfg)
     chat = ChatFormat(load_tokenizer(world.tokenizer))

@@ -162,6 +162,14 @@ CHECKED_CONFIG = replace(CONFIRM_CONFIG, checked=True)
 # world's student: 100 among 2,000 gave 0.013, 300 among 2,000 0.24).
 CHECKED_PRIOR_CONFIG = replace(CHECKED_CONFIG, student_recovery_demos=400,
                                student_recovery_steps=200)
+# The named worlds: `python -m worlds.toolcalc.prepare --<name>` and bench/recovery_token.py.
+NAMED_CONFIGS = {"hard": (HARD_CONFIG, "the harder world (three_hop tasks too)"),
+                 "chain": (CHAIN_CONFIG, "the chain world (worlds.toolcalc.chain)"),
+                 "confirm": (CONFIRM_CONFIG, "the chain world with its confirm tool"),
+                 "checked": (CHECKED_CONFIG, "the chain world with confirm and an environment "
+                                             "that knows the calls"),
+                 "checked_prior": (CHECKED_PRIOR_CONFIG, "the checked world whose student knows "
+                                                         "the recovery exists")}
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -473,25 +481,15 @@ class Evaluator:
 def main(argv: list[str] | None = None) -> Prepared:
     parser = argparse.ArgumentParser(description="Prepare the toolcalc world (cached).")
     parser.add_argument("--test", action="store_true", help="tiny models and steps (seconds)")
-    parser.add_argument("--chain", action="store_true",
-                        help="the chain world (worlds.toolcalc.chain)")
-    parser.add_argument("--confirm", action="store_true",
-                        help="the chain world with its confirm tool")
-    parser.add_argument("--checked", action="store_true",
-                        help="the chain world with confirm and an environment that knows the calls")
-    parser.add_argument("--checked-prior", action="store_true",
-                        help="the checked world whose student knows the recovery exists")
-    parser.add_argument("--hard", action="store_true",
-                        help="the harder world (three_hop tasks too)")
+    for name, (_, help_text) in NAMED_CONFIGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help_text)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--threads", type=int, help="torch threads (default 1; part of the key)")
     parser.add_argument("--cache-dir", help="cache root (default $OPD_CACHE_DIR or "
                                             "~/.cache/opd-recipes)")
     args = parser.parse_args(argv)
-    cfg = TEST_CONFIG if args.test else HARD_CONFIG if args.hard else \
-        CHAIN_CONFIG if args.chain else CONFIRM_CONFIG if args.confirm else \
-        CHECKED_CONFIG if args.checked else CHECKED_PRIOR_CONFIG if args.checked_prior else \
-        PrepareConfig()
+    named = [config for name, (config, _) in NAMED_CONFIGS.items() if getattr(args, name)]
+    cfg = TEST_CONFIG if args.test else named[0] if named else PrepareConfig()
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)
