@@ -333,7 +333,7 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
         "checkpoint.every=0", "checkpoint.resume=never", f"data.eval={validation}",
         f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
-        "eval.teacher=false", *args.overrides]
+        "eval.baseline=none", "eval.teacher=false", *args.overrides]
     if args.jobs > 1:  # the cores are shared: one thread per run, or they oversubscribe
         overrides.append("cluster.threads_per_rank=1")
     command = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", args.recipe,

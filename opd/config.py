@@ -300,6 +300,11 @@ class EvalConfig:
     teacher: bool = True  # also evaluate the teacher (the table's first row)
     limit: int = at_least(0, 0)  # held-out examples; 0: all
     checker: str = ""  # module:function(final_text, record) -> bool; needed with data.eval
+    # A control arm trained after the run and printed as its own row, so the table shows what
+    # the recipe bought over the cheaper thing: the same warm student, steps, optimizer and batch
+    # on data.completions only, by their tokens' cross-entropy ("sft", no teacher) or the
+    # teacher's full distribution on them ("kd", forward KL). "none": no control arm.
+    baseline: Literal["none", "sft", "kd"] = "none"
 
 
 @dataclass
@@ -647,7 +652,8 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
         return ConfigError(f"{_where(key, sources)}: {sentence}")
 
     # Pure RL (loss.distill_weight=0) and SFT need no teacher; one named is still evaluated.
-    needed = ("model.student", *(("model.teacher",) if config.loss.needs_teacher else ()),
+    teacher_read = config.loss.needs_teacher or config.eval.baseline == "kd"
+    needed = ("model.student", *(("model.teacher",) if teacher_read else ()),
               "data.prompts")
     for key in needed:
         if not _get(config, key):
@@ -677,6 +683,12 @@ def check(config: Config, sources: dict[str, str] | None = None) -> None:
     if config.loss.off_policy_fraction > 0 and not config.data.completions:
         raise fail("data.completions", "data.completions must name a dataset of whole "
                    "conversations when loss.off_policy_fraction > 0.")
+    baseline_lacks = [key for key in ("data.completions", "data.eval", "eval.after")
+                      if not _get(config, key)]
+    if config.eval.baseline != "none" and baseline_lacks:
+        raise fail(baseline_lacks[0], f"eval.baseline={config.eval.baseline} trains a control "
+                   "arm on data.completions and evaluates it beside the trained student on "
+                   f"data.eval, so {baseline_lacks[0]} must be set (or eval.baseline=none).")
     if config.data.eval and not config.eval.checker:
         raise fail("eval.checker", "eval.checker must name a module:function(final_text, "
                    "record) -> bool when data.eval is set (e.g. worlds.toolcalc.tasks:"

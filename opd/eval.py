@@ -255,15 +255,16 @@ def results_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def improvement_line(before: dict, after: dict) -> str:
-    """The trained student's change in success and how many standard errors it is (the two
-    evals' binomial errors combined as if independent: conservative, they share their tasks)."""
+def improvement_line(before: dict, after: dict, label: str = "before") -> str:
+    """The trained student's success minus another row's (`label`) and how many standard errors
+    it is (the two evals' binomial errors combined as if independent: conservative, they share
+    their tasks)."""
     p_before, p_after = before["success_rate"], after["success_rate"]
     se = math.sqrt(p_before * (1 - p_before) / before["num_tasks"]
                    + p_after * (1 - p_after) / after["num_tasks"])
     change = p_after - p_before
     sigmas = f"{change / se:+.1f} standard errors" if se > 0 else "no spread to compare"
-    return (f"after - before: {change:+.3f} success on {after['num_tasks']} held-out tasks "
+    return (f"after - {label}: {change:+.3f} success on {after['num_tasks']} held-out tasks "
             f"({sigmas})")
 
 

@@ -50,7 +50,7 @@ def load_inputs(config: Config) -> RunInputs:
     limit = config.rollout.max_total_len
     inputs = RunInputs(chat=chat, vocab_size=vocab_size,
                        prompts=load_prompts(config.data.prompts, chat, limit, "data.prompts"))
-    if config.loss.off_policy_fraction > 0:
+    if config.loss.off_policy_fraction > 0 or config.eval.baseline != "none":
         inputs.completions = load_completions(config.data.completions, chat,
                                               config.train.micro_batch_tokens)
     if config.data.eval and (config.eval.every or config.eval.before or config.eval.after):

@@ -10,7 +10,10 @@
              sampler's, the teacher's (DeepSpeed JSON, vLLM servability, tensor-parallel sizes)
     eval     teacher and student before training, on rank 0 (opd.eval)
     train    the OPD loop (opd.trainer)
-    eval     the trained student, then the teacher / before / after table and eval.json
+    eval     the trained student
+    baseline the control arm of eval.baseline (SFT or KD on data.completions), trained and
+             evaluated the same way, then the teacher / before / after / baseline table and
+             eval.json
 
 Every user mistake is an `OPDError` and ends the run in one sentence; all of them that can be
 known before an engine starts (everything up to `engines`) are found then, before any
@@ -26,6 +29,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import signal
@@ -34,7 +38,7 @@ from pathlib import Path
 
 from opd import preemption, preflight
 from opd.backends import check_student
-from opd.config import Config, load_config, to_yaml
+from opd.config import Config, LossConfig, load_config, to_yaml
 from opd.dist import World, barrier, init_world, shutdown
 from opd.errors import OPDError
 from opd.eval import evaluate_model, improvement_line, results_table, spec_from_config
@@ -101,14 +105,42 @@ def run(config: Config, plugins: Plugins, world: World) -> dict[str, dict]:
         return rows
     if config.eval.after:
         rows["after"] = evaluate(config, plugins, inputs, world, final, "trained student")
+    if config.eval.baseline != "none":
+        control = baseline_config(config)
+        final = train(control, plugins, inputs, world)
+        if final is None:
+            return rows
+        rows[config.eval.baseline] = evaluate(control, plugins, inputs, world, final,
+                                              f"{config.eval.baseline} baseline")
     rows = {label: metrics for label, metrics in rows.items() if metrics}
     if rows:  # rank 0 only: the others evaluate nothing
         (config.run_dir / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(results_table(rows), flush=True)
         if "before" in rows and "after" in rows:
             print(improvement_line(rows["before"], rows["after"]), flush=True)
+        if "after" in rows and config.eval.baseline in rows:
+            print(improvement_line(rows[config.eval.baseline], rows["after"],
+                                   config.eval.baseline), flush=True)
     barrier()
     return rows
+
+
+def baseline_config(config: Config) -> Config:
+    """eval.baseline's control arm: the run's warm student, steps, optimizer, batch and seed,
+    trained on data.completions only (SFT on their tokens, or KD: forward KL to the teacher's
+    distribution on them), in its own run directory under the run's, where it resumes too."""
+    kind = config.eval.baseline
+    loss = LossConfig(direction="sft" if kind == "sft" else "forward_kl",
+                      off_policy_fraction=1.0, temperature=config.loss.temperature,
+                      chunk_size=config.loss.chunk_size)
+    return dataclasses.replace(
+        config, name=f"{config.name}-{kind}", loss=loss,
+        logging=dataclasses.replace(config.logging,
+                                    run_dir=str(config.run_dir / f"baseline_{kind}")),
+        # A resume path names the run's own checkpoint, never the control arm's.
+        checkpoint=dataclasses.replace(
+            config.checkpoint, resume="never" if config.checkpoint.resume == "never" else "auto"),
+        eval=dataclasses.replace(config.eval, every=0))
 
 
 def evaluates_teacher(config: Config, world: World) -> bool:
@@ -131,7 +163,7 @@ def check_engines(config: Config, world: World) -> None:
     """The checks each engine makes of the config and files alone, before any engine starts."""
     check_student(config.student)
     sampler_class(config.rollout.engine).check(config, world)
-    if config.loss.needs_teacher:
+    if config.loss.needs_teacher or config.eval.baseline == "kd":
         teacher_class(config.teacher.engine).check(config, world)
 
 

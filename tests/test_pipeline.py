@@ -58,6 +58,9 @@ def one_sentence(result: subprocess.CompletedProcess) -> str:
     ("loss.mask_after_refused_call=true", "loss.mask_after_refused_call was replaced by "
                                           "loss.mask_after_refusals, a count: true is 1"),
     ("loss.mask_after_refusals=-1", "loss.mask_after_refusals must be at least 0"),
+    ("eval.baseline=sft", "eval.baseline=sft trains a control arm on "
+                          "data.completions and evaluates it beside the trained student on "
+                          "data.eval, so eval.after must be set (or eval.baseline=none)."),
 ])
 def test_plugins_and_bounds_fail_in_one_sentence_before_any_engine(world_dir, override,
                                                                    message):
