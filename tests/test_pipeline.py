@@ -233,3 +233,21 @@ def test_a_served_teacher_is_not_loaded_for_its_eval_row(world_dir, tmp_path):
     assert "eval: no teacher row: teacher.engine=served keeps the teacher on its servers" \
         in result.stderr
     assert f"teacher.urls: {url} did not answer GET /health" in one_sentence(result)
+
+
+@pytest.mark.parametrize("kind, direction", [("sft", "sft"), ("kd", "forward_kl")])
+def test_the_baseline_arm_is_the_same_run_on_the_completions_alone(world_dir, kind, direction):
+    """eval.baseline's control arm keeps the warm student, steps, optimizer, batch and seed, and
+    trains only on data.completions, in its own directory, never resuming from the run's path."""
+    from opd.pipeline import baseline_config
+
+    config = load_config(world_dir / "recipe.yaml", overrides=[
+        f"eval.baseline={kind}", "eval.after=true", "eval.every=2", "loss.direction=reverse_kl",
+        f"checkpoint.resume={world_dir / 'run' / 'checkpoints' / 'step-2'}"])
+    control = baseline_config(config)
+    assert (control.loss.direction, control.loss.off_policy_fraction) == (direction, 1.0)
+    assert control.loss.needs_teacher == (kind == "kd")
+    assert control.run_dir == config.run_dir / f"baseline_{kind}"
+    assert control.checkpoint.resume == "auto" and control.eval.every == 0
+    assert (control.model, control.data, control.optim, control.train, control.seed) == \
+        (config.model, config.data, config.optim, config.train, config.seed)
