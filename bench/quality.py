@@ -331,9 +331,12 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
     overrides += [
         f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
-        "checkpoint.every=0", "checkpoint.resume=never", f"data.eval={validation}",
+        "checkpoint.every=0", "checkpoint.resume=never",
         f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
-        "eval.baseline=none", "eval.teacher=false", *args.overrides]
+        "eval.baseline=none", "eval.teacher=false", *args.overrides,
+        # After the user's overrides: one naming data.eval (a world's held-out file) sets what
+        # the final student is measured on, never the curve's tasks.
+        f"data.eval={validation}"]
     if args.jobs > 1:  # the cores are shared: one thread per run, or they oversubscribe
         overrides.append("cluster.threads_per_rank=1")
     command = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", args.recipe,

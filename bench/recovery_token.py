@@ -6,11 +6,15 @@ does). Full-vocabulary reverse KL moves a student logit in proportion to the stu
 probability of that token, forward KL in proportion to the teacher's.
 
     python bench/recovery_token.py [--world checked|checked_prior|confirm|chain] [--probes 100]
-                                   [--trained NAME=MODEL_DIR ...]
+                                   [--trained NAME=MODEL_DIR ...] [--world-dir DIR]
 
 `--trained` adds trained students (a bench/quality.py run's `final/`), read at the warm
-student's decision tokens: did training raise the recovery's probability? Prints one JSON line.
-Builds the world if it is not cached (about 14 minutes).
+student's decision tokens: did training raise the recovery's probability? Also printed: the most
+common decisions, decoded (the demonstration's token and the warm student's greedy one), and the
+first-order push each divergence gives the warm student's logit of the decision token, minus the
+gradient of that token's loss, summed over the recovery turns: reverse KL(p || q) gives
+p_k (log q_k - log p_k + KL), forward KL(q || p) gives q_k - p_k. One JSON line. Builds the world
+if it is not cached (about 14 minutes); `--world-dir` reads one built before.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
+from pathlib import Path
 
 
 def main() -> None:
@@ -28,6 +34,7 @@ def main() -> None:
     from opd.data import completion_trajectory
     from worlds.toolcalc.prepare import (
         NAMED_CONFIGS,
+        Prepared,
         assistant_turns,
         prepare,
         recovery_probes,
@@ -40,10 +47,12 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=100)
     parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR",
                         help="trained students, read at the warm student's decision tokens")
+    parser.add_argument("--world-dir", help="a prepared world of --world's config, built before "
+                                            "(default: its cache entry, built if missing)")
     args = parser.parse_args()
     cfg = NAMED_CONFIGS[args.world][0]
     torch.set_num_threads(1)
-    world = prepare(cfg)
+    world = Prepared(Path(args.world_dir)) if args.world_dir else prepare(cfg)
     chat = ChatFormat(load_tokenizer(world.tokenizer))
     paths = [("student", world.student), ("teacher", world.teacher),
              *(tuple(named.split("=", 1)) for named in args.trained)]
@@ -51,6 +60,8 @@ def main() -> None:
     probes = [completion_trajectory(chat, r["messages"], r["tools"])
               for r in recovery_probes(cfg, args.probes)]
     probabilities: dict[str, list[float]] = {role: [] for role in models}
+    pushes = {"reverse_kl": 0.0, "forward_kl": 0.0}
+    decisions: Counter = Counter()
     with torch.no_grad():
         for trajectory in probes:
             ids = trajectory.input_ids
@@ -65,7 +76,18 @@ def main() -> None:
                 for role in models:
                     probabilities[role].append(
                         logprobs[role][decision - 1, ids[decision]].exp().item())
-    print(json.dumps({"world": args.world, "recovery_turns": len(probabilities["student"]), **{
+                log_p, log_q = logprobs["student"][decision - 1], logprobs["teacher"][decision - 1]
+                p_k, token = log_p[ids[decision]].exp(), ids[decision]
+                kl = (log_p.exp() * (log_p - log_q)).sum()
+                pushes["reverse_kl"] += (p_k * (log_q[token] - log_p[token] + kl)).item()
+                pushes["forward_kl"] += (log_q[token].exp() - p_k).item()
+                greedy = logprobs["student"][decision - 1].argmax().item()
+                decisions[(chat.tokenizer.decode([token]), chat.tokenizer.decode([greedy]))] += 1
+    print(json.dumps({"world": args.world, "recovery_turns": len(probabilities["student"]),
+                      "decisions": [{"token": token, "student_greedy": greedy, "turns": count}
+                                    for (token, greedy), count in decisions.most_common(5)],
+                      **{f"push_{loss}_sum": round(total, 2) for loss, total in pushes.items()},
+                      **{
         f"{role}_median_p": float(f"{statistics.median(values):.3g}")
         for role, values in probabilities.items()}, **{
         f"{role}_mean_p": round(statistics.mean(values), 4)
