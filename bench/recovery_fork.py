@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 from collections import Counter, defaultdict
-from pathlib import Path
 
 GENERIC_OPENING = 'Ċ{"name":Ġ"'
 CALCULATOR_OPENING = 'Ċ{"name":Ġ"calculator",Ġ"arguments":Ġ{"expression":Ġ"'
@@ -47,59 +46,44 @@ def median(values: list[float]) -> float:
 
 def main() -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from recovery_token import add_world_arguments, world_and_models  # bench/ is on sys.path
 
-    from opd.chat import ChatFormat
     from opd.config import RolloutConfig
     from opd.data import completion_trajectory
     from opd.rollout import rollout
     from opd.tools import ToolExecutor
     from worlds.toolcalc.chain import ChainEnvironment, chain_record, generate_chain_tasks
-    from worlds.toolcalc.prepare import (
-        NAMED_CONFIGS,
-        Prepared,
-        assistant_turns,
-        prepare,
-        recovery_probes,
-    )
-    from worlds.toolcalc.tokenizer import load_tokenizer
+    from worlds.toolcalc.prepare import assistant_turns, recovery_probes
     from worlds.toolcalc.tools import registry
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", choices=("checked", "checked_prior"), default="checked_prior")
-    parser.add_argument("--world-dir", help="a prepared world of --world's config, built before "
-                                            "(default: its cache entry, built if missing)")
+    add_world_arguments(parser, ("checked_prior", "checked"))
     parser.add_argument("--tasks", type=int, default=100, help="validation tasks sampled "
                                                                f"{SAMPLES_PER_TASK} times each")
     parser.add_argument("--probes", type=int, default=100)
-    parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR")
     args = parser.parse_args()
-    cfg = NAMED_CONFIGS[args.world][0]
-    torch.set_num_threads(1)
-    world = Prepared(Path(args.world_dir)) if args.world_dir else prepare(cfg)
-    tokenizer = load_tokenizer(world.tokenizer)
-    chat = ChatFormat(tokenizer)
+    cfg, _, chat, models = world_and_models(args)
+    tokenizer = chat.tokenizer
     tool_call = tokenizer.convert_tokens_to_ids("<tool_call>")
     openings = {"generic_opening": tokenizer.convert_tokens_to_ids(GENERIC_OPENING),
                 "calculator_opening": tokenizer.convert_tokens_to_ids(CALCULATOR_OPENING)}
-    paths = [("student", world.student), ("teacher", world.teacher),
-             *(tuple(named.split("=", 1)) for named in args.trained)]
-    models = {role: AutoModelForCausalLM.from_pretrained(path).eval() for role, path in paths}
 
     def next_token_p(model, ids: list[int]):
-        return torch.softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        """Each position's next-token distribution, one forward pass."""
+        with torch.no_grad():
+            return torch.softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
     probes: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record in recovery_probes(cfg, args.probes):
         trajectory = completion_trajectory(chat, record["messages"], record["tools"])
         ids = trajectory.input_ids
-        for start, _, after_rejection in assistant_turns(trajectory):
-            if after_rejection and ids[start] == tool_call:
-                for role, model in models.items():
-                    with torch.no_grad():
-                        p = next_token_p(model, ids[:start + 1])
-                    for name, token in openings.items():
-                        probes[role][name].append(p[token].item())
+        forks = [start for start, _, after_rejection in assistant_turns(trajectory)
+                 if after_rejection and ids[start] == tool_call]
+        for role, model in models.items():
+            p = next_token_p(model, ids) if forks else None
+            for start in forks:
+                for name, token in openings.items():
+                    probes[role][name].append(p[start, token].item())
 
     held_out = frozenset(task.question for task in generate_chain_tasks(cfg.heldout_tasks,
                                                                         cfg.seed + 1))
@@ -127,10 +111,8 @@ def main() -> None:
                 observation = tokenizer.decode(trajectory.input_ids[max(0, end - 80):end])
                 kind = "environment" if "did you mean" in observation else "malformed"
                 context = trajectory.input_ids[:end] + [tool_call]
-                warm_refusals[kind]["refusals"].append(1.0)
                 for judge in ("student", "teacher"):
-                    with torch.no_grad():
-                        p = next_token_p(models[judge], context)
+                    p = next_token_p(models[judge], context)[-1]
                     for name, token in openings.items():
                         warm_refusals[kind][f"{judge}_{name}"].append(p[token].item())
             after_first_refusal[role] = kinds
@@ -140,7 +122,7 @@ def main() -> None:
                           **{f"median_p_{name}": median(v) for name, v in values.items()}}
                    for role, values in probes.items()},
         "after_first_refusal": after_first_refusal,
-        "warm_refusals": {kind: {"refusals": len(values.pop("refusals")),
+        "warm_refusals": {kind: {"refusals": len(values["student_generic_opening"]),
                                  **{f"median_p_{name}": median(v) for name, v in values.items()}}
                           for kind, values in warm_refusals.items()}}))
 

@@ -26,30 +26,25 @@ from collections import Counter
 from pathlib import Path
 
 
-def main() -> None:
+def add_world_arguments(parser: argparse.ArgumentParser, worlds: tuple[str, ...]) -> None:
+    """--world, --world-dir and --trained: which prepared world, and the students to read."""
+    parser.add_argument("--world", choices=worlds, default=worlds[0])
+    parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR",
+                        help="trained students, read where the warm student is")
+    parser.add_argument("--world-dir", help="a prepared world of --world's config, built before "
+                                            "(default: its cache entry, built if missing)")
+
+
+def world_and_models(args):
+    """(config, world, chat, models): the named world (built if not cached), its chat format,
+    and its warm student, teacher and `--trained` students in eval mode, one thread."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from opd.chat import ChatFormat
-    from opd.data import completion_trajectory
-    from worlds.toolcalc.prepare import (
-        NAMED_CONFIGS,
-        Prepared,
-        assistant_turns,
-        prepare,
-        recovery_probes,
-    )
+    from worlds.toolcalc.prepare import NAMED_CONFIGS, Prepared, prepare
     from worlds.toolcalc.tokenizer import load_tokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", choices=("checked", "checked_prior", "confirm", "chain"),
-                        default="checked")
-    parser.add_argument("--probes", type=int, default=100)
-    parser.add_argument("--trained", nargs="*", default=[], metavar="NAME=MODEL_DIR",
-                        help="trained students, read at the warm student's decision tokens")
-    parser.add_argument("--world-dir", help="a prepared world of --world's config, built before "
-                                            "(default: its cache entry, built if missing)")
-    args = parser.parse_args()
     cfg = NAMED_CONFIGS[args.world][0]
     torch.set_num_threads(1)
     world = Prepared(Path(args.world_dir)) if args.world_dir else prepare(cfg)
@@ -57,6 +52,20 @@ def main() -> None:
     paths = [("student", world.student), ("teacher", world.teacher),
              *(tuple(named.split("=", 1)) for named in args.trained)]
     models = {role: AutoModelForCausalLM.from_pretrained(path).eval() for role, path in paths}
+    return cfg, world, chat, models
+
+
+def main() -> None:
+    import torch
+
+    from opd.data import completion_trajectory
+    from worlds.toolcalc.prepare import assistant_turns, recovery_probes
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_world_arguments(parser, ("checked", "checked_prior", "confirm", "chain"))
+    parser.add_argument("--probes", type=int, default=100)
+    args = parser.parse_args()
+    cfg, _, chat, models = world_and_models(args)
     probes = [completion_trajectory(chat, r["messages"], r["tools"])
               for r in recovery_probes(cfg, args.probes)]
     probabilities: dict[str, list[float]] = {role: [] for role in models}
