@@ -26,6 +26,8 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
     opd_forward_kl  on-policy, forward KL
     opd_reverse_kl  on-policy, reverse KL
     opd_jsd         on-policy, generalised JSD, beta 0.5
+    opd_hybrid_kl   on-policy, forward KL where the teacher's top token has probability >= 0.9,
+                    reverse KL elsewhere
     kd_teacher      off-policy, forward KL on conversations the teacher wrote
     kd_oracle       off-policy, forward KL on the dataset's oracle conversations
     sft_teacher     cross-entropy (loss.direction=sft) on the teacher-written conversations
@@ -94,6 +96,7 @@ METHODS = {
     "opd_forward_kl": ["loss.direction=forward_kl", ON_POLICY],
     "opd_reverse_kl": ["loss.direction=reverse_kl", ON_POLICY],
     "opd_jsd": ["loss.direction=jsd", "loss.beta=0.5", ON_POLICY],
+    "opd_hybrid_kl": ["loss.direction=hybrid_kl", "loss.forward_kl_above=0.9", ON_POLICY],
     "kd_teacher": ["loss.off_policy_fraction=1.0", f"data.completions={TEACHER_CONVERSATIONS}"],
     "kd_oracle": ["loss.off_policy_fraction=1.0", f"data.completions={ORACLE}"],
     "sft_teacher": ["loss.direction=sft", "loss.off_policy_fraction=1.0",

@@ -19,8 +19,8 @@ from pathlib import Path
 # Families of methods, for the targets (issue 24): what a distiller without demonstrations can
 # run off-policy (teacher-written conversations), and on-policy distillation.
 TEACHER_OFF_POLICY = ("sft_teacher", "kd_teacher", "gkd_mix")
-OPD = ("opd_forward_kl", "opd_reverse_kl", "opd_jsd", "opd_sampled", "opd_reward",
-       "opd_topk20", "opd_topk64")
+OPD = ("opd_forward_kl", "opd_reverse_kl", "opd_jsd", "opd_hybrid_kl", "opd_sampled",
+       "opd_reward", "opd_topk20", "opd_topk64")
 RL = "rl"
 
 

@@ -144,10 +144,14 @@ class LossConfig:
 
     # A name in opd.divergences: forward_kl, reverse_kl, jsd (full vocabulary), sft (the
     # cross-entropy of data.completions' tokens, no teacher), sampled_reverse_kl (policy-gradient
-    # form from the teacher's log-prob of each sampled token, plus an optional task reward).
+    # form from the teacher's log-prob of each sampled token, plus an optional task reward),
+    # hybrid_kl (forward KL where the teacher is confident, reverse KL elsewhere).
     direction: str = rule(lambda v: v in divergences.REGISTRY,
                           f"one of {', '.join(divergences.NAMES)}", "forward_kl")
     beta: float = within(0, 1, 0.5)  # generalised JSD mix: 0 = forward KL, 1 = reverse KL
+    # hybrid_kl only: a target token whose teacher gives its top token at least this probability
+    # (at loss.temperature) trains on forward KL, any other on reverse KL; 0 is forward_kl.
+    forward_kl_above: float = within(0, 1, 0.9)
     temperature: float = positive(1.0)
     chunk_size: int = at_least(0, 0)  # target tokens per [chunk, vocab] block; 0: ~12.6M logits
     # On-policy only: train none of the student's tokens after its Nth refused call (0: all of
@@ -175,6 +179,10 @@ class LossConfig:
 
     def problem(self) -> tuple[str, str] | None:
         """(key, sentence) of the first rule across this section's keys that fails, or None."""
+        if self.direction != "hybrid_kl" and self.forward_kl_above != LossConfig.forward_kl_above:
+            return ("loss.forward_kl_above", f"loss.forward_kl_above applies only to "
+                    f"loss.direction=hybrid_kl; leave it at {LossConfig.forward_kl_above!r} with "
+                    f"loss.direction={self.direction}.")
         if self.direction != "sampled_reverse_kl":
             defaults = LossConfig(direction="sampled_reverse_kl")
             for key in SAMPLED_ONLY_KEYS:

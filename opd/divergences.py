@@ -61,6 +61,11 @@ _ENTRIES = (
                kl_reported=False, chunk_buffers=4,
                doc="generalised Jensen-Shannon divergence with mix loss.beta (0: forward_kl, "
                    "1: reverse_kl)"),
+    Divergence("hybrid_kl", "distribution", "hybrid_kl_rows", topk=False,
+               topk_refusal=_TOPK_TAIL.format(name="hybrid_kl"), needs_sampler_logprobs=False,
+               kl_reported=True, chunk_buffers=4,
+               doc="forward_kl on the tokens where the teacher's top token has probability >= "
+                   "loss.forward_kl_above, reverse_kl on the others"),
     Divergence("sft", "labels", "cross_entropy_rows", topk=False, topk_refusal="",
                needs_sampler_logprobs=False, kl_reported=False, chunk_buffers=2,
                doc="cross-entropy of data.completions' tokens: forward_kl to a one-hot teacher"),

@@ -19,8 +19,10 @@ Directions (TRL / Liger GKD conventions, p = student, q = teacher, both at `temp
 forward_kl = KL(q || p); reverse_kl = KL(p || q); jsd = beta * KL(q || m) + (1 - beta) *
 KL(p || m), m = beta * q + (1 - beta) * p, with beta = 0 meaning forward_kl and beta = 1
 reverse_kl exactly (the interior expression tends to 0 at both ends, so the ends are the KLs,
-not limits). Every loss is multiplied by temperature ** 2, as in the seed. The teacher is
-always detached; sampling is detached (the GKD semi-gradient).
+not limits); hybrid_kl = forward_kl on each target token where the teacher's top token has
+probability >= forward_kl_above, reverse_kl on the others (0: forward_kl everywhere). Every
+loss is multiplied by temperature ** 2, as in the seed. The teacher is always detached;
+sampling is detached (the GKD semi-gradient).
 
 Normalisation: `reduction="mean"` divides by this call's target count (the seed); with
 `reduction="sum"` the trainer divides by the target count of the whole global batch (all
@@ -146,6 +148,7 @@ class _Plan:
     temperature: float
     direction: str
     beta: float
+    forward_kl_above: float  # hybrid_kl's teacher confidence
     scale: float  # 1 / target count for "mean", 1 for "sum"
     chunk_size: int
     group: object
@@ -229,7 +232,7 @@ class _ChunkedDistillation(torch.autograd.Function):
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | TopKTeacher,
                       target_mask: torch.Tensor, temperature: float = 1.0,
                       direction: str = "forward_kl", *, beta: float = 0.5,
-                      vocab_size: int | None = None, reduction: str = "mean",
+                      forward_kl_above: float = 0.9, vocab_size: int | None = None, reduction: str = "mean",
                       chunk_size: int | None = None,
                       vocab_parallel_group: ProcessGroup | None = None) -> torch.Tensor:
     """Full-vocabulary divergence on target tokens, scaled by temperature ** 2.
@@ -253,7 +256,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     if tuple(target_mask.shape) != tuple(student_logits.shape[:2]):
         raise ValueError(f"Target mask {tuple(target_mask.shape)} must align with the shifted "
                          f"logits [batch, time] = {tuple(student_logits.shape[:2])}")
-    direction = _check_options(temperature, direction, beta, reduction, chunk_size)
+    direction = _check_options(temperature, direction, beta, forward_kl_above, reduction,
+                               chunk_size)
     if topk is not None:
         _check_topk(topk, student_logits.shape[:2])
     width, offset = _vocab_layout(student_logits.shape[-1],
@@ -265,7 +269,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     teacher = _Teacher(topk=teacher_logits) if isinstance(teacher_logits, TopKTeacher) \
         else _Teacher(logits=teacher_logits.detach())
     return _run(student_logits, None, None, mask, teacher, width, offset, float(temperature),
-                direction, beta, reduction, chunk_size, vocab_parallel_group)
+                direction, (beta, forward_kl_above), reduction, chunk_size, vocab_parallel_group)
 
 
 def fused_distillation_loss(
@@ -277,7 +281,7 @@ def fused_distillation_loss(
         teacher_logits_fn: Callable[[tuple], torch.Tensor] | None = None,
         teacher_topk: TopKTeacher | None = None, vocab_size: int | None = None,
         chunk_size: int | None = None, temperature: float = 1.0, direction: str = "forward_kl",
-        beta: float = 0.5, reduction: str = "mean",
+        beta: float = 0.5, forward_kl_above: float = 0.9, reduction: str = "mean",
         vocab_parallel_group: ProcessGroup | None = None) -> torch.Tensor:
     """`distillation_loss` formed chunk by chunk from hidden states; no [N, V] tensor exists.
 
@@ -312,7 +316,8 @@ def fused_distillation_loss(
     if teacher_topk is not None:
         _check_topk(teacher_topk, lead)
     mask = _token_mask(target_mask, lead, student_hidden.device)
-    direction = _check_options(temperature, direction, beta, reduction, chunk_size)
+    direction = _check_options(temperature, direction, beta, forward_kl_above, reduction,
+                               chunk_size)
     width, offset = _vocab_layout(student_lm_head_weight.shape[0], teacher_width, vocab_size,
                                   vocab_parallel_group)
     teacher = _Teacher(
@@ -321,8 +326,8 @@ def fused_distillation_loss(
         bias=None if teacher_bias is None else teacher_bias.detach(),
         logits_fn=teacher_logits_fn, topk=teacher_topk)
     return _run(student_hidden, student_lm_head_weight, student_bias, mask, teacher, width,
-                offset, float(temperature), direction, beta, reduction, chunk_size,
-                vocab_parallel_group)
+                offset, float(temperature), direction, (beta, forward_kl_above), reduction,
+                chunk_size, vocab_parallel_group)
 
 
 def fused_cross_entropy_loss(
@@ -356,30 +361,34 @@ def fused_cross_entropy_loss(
         raise ValueError(f"Labels at target positions must be token ids in [0, {vocab}), got "
                          f"ids from {int(targets.min())} to {int(targets.max())}")
     return _run(student_hidden, student_lm_head_weight, student_bias, mask, _Teacher(), width,
-                offset, float(temperature), "sft", 0.0, reduction, chunk_size, group,
+                offset, float(temperature), "sft", (0.0, 0.0), reduction, chunk_size, group,
                 labels=labels, row_weights=row_weights)
 
 
-def _run(student, weight, bias, mask, teacher, width, offset, temperature, direction, beta,
+def _run(student, weight, bias, mask, teacher, width, offset, temperature, direction, options,
          reduction, chunk_size, group, labels=None, row_weights=None):
+    # options: the direction's (beta, forward_kl_above)
     rows = mask.nonzero(as_tuple=True)
     count = rows[0].numel()
     plan = _Plan(rows=rows, teacher=teacher, labels=labels, row_weights=row_weights,
                  width=width, offset=offset,
-                 temperature=temperature, direction=direction, beta=float(beta),
+                 temperature=temperature, direction=direction, beta=float(options[0]),
+                 forward_kl_above=float(options[1]),
                  scale=1.0 / count if reduction == "mean" and count else 1.0,
                  chunk_size=chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // width),
                  group=group)
     return _ChunkedDistillation.apply(student, weight, bias, plan)
 
 
-def _check_options(temperature, direction, beta, reduction, chunk_size):
+def _check_options(temperature, direction, beta, forward_kl_above, reduction, chunk_size):
     """Validate the options; return the direction with jsd's end points resolved."""
     _check_scalars(temperature, reduction, chunk_size)
     if direction not in DIRECTIONS:
         raise ValueError(f"KL direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"jsd beta must lie in [0, 1], got {beta}")
+    if not 0.0 <= forward_kl_above <= 1.0:
+        raise ValueError(f"hybrid_kl forward_kl_above must lie in [0, 1], got {forward_kl_above}")
     if direction == "jsd" and beta in (0.0, 1.0):
         return "forward_kl" if beta == 0.0 else "reverse_kl"
     return direction

@@ -9,8 +9,9 @@ and the only cross-rank traffic is per-row statistics of shape [C]: the max, the
 exponentials, the divergence terms. No rank ever holds a full row.
 
 Conventions (as in TRL / Liger GKD): p is the student, q the teacher, both already divided by
-the temperature. forward_kl = KL(q || p), reverse_kl = KL(p || q), and jsd with 0 < beta < 1 is
-beta * KL(q || m) + (1 - beta) * KL(p || m) with m = beta * q + (1 - beta) * p. The gradients
+the temperature. forward_kl = KL(q || p), reverse_kl = KL(p || q), jsd with 0 < beta < 1 is
+beta * KL(q || m) + (1 - beta) * KL(p || m) with m = beta * q + (1 - beta) * p, and hybrid_kl is
+KL(q || p) on rows where max q >= forward_kl_above and KL(p || q) on the others. The gradients
 are d(row loss) / d(student logits / temperature); the caller applies the temperature and scale.
 
 Speed comes from touching each [C, V] buffer as few times as possible, in place, in buffers
@@ -128,21 +129,21 @@ def chunk_loss_and_grad(student, weight, bias, plan, rows, workspace, need_grad,
         lowest = torch.finfo(student_logp_CV.dtype).min
         student_logp_CV.clamp_(min=lowest)
         teacher_logp_CV.clamp_(min=lowest)
-    return divergence_and_grad(student_logp_CV, teacher_logp_CV, scratch, plan.direction,
-                               plan.beta, plan.group, need_grad, check_nan=not careful)
+    return divergence_and_grad(student_logp_CV, teacher_logp_CV, scratch, plan, need_grad,
+                               check_nan=not careful)
 
 
-def divergence_and_grad(student_logp_CV, teacher_logp_CV, scratch, direction, beta, group,
-                        need_grad, check_nan):
+def divergence_and_grad(student_logp_CV, teacher_logp_CV, scratch, plan, need_grad, check_nan):
     """Row losses [C] (summed across the group) and d loss / d scaled student logits [C, V].
 
-    Overwrites both log-probs and `scratch` (one [C, V] buffer, two for jsd); the gradient is
-    one of them (None when `need_grad` is False). Returns None, before any gradient work, when
-    `check_nan` is set and a loss came out NaN (see the module docstring). The kernel is the
-    function of this module that opd.divergences names for `direction`.
+    Overwrites both log-probs and `scratch` (one [C, V] buffer, two for jsd and hybrid_kl); the
+    gradient is one of them (None when `need_grad` is False). Returns None, before any gradient
+    work, when `check_nan` is set and a loss came out NaN (see the module docstring). The kernel
+    is the function of this module that opd.divergences names for `plan.direction`; it reads
+    the direction's options (`plan.beta`, `plan.forward_kl_above`) and `plan.group`.
     """
-    kernel = globals()[divergences.get(direction).kernel]
-    return kernel(student_logp_CV, teacher_logp_CV, scratch, beta, group, need_grad, check_nan)
+    kernel = globals()[divergences.get(plan.direction).kernel]
+    return kernel(student_logp_CV, teacher_logp_CV, scratch, plan, need_grad, check_nan)
 
 
 def cross_entropy_rows(student_logp_CV, labels_C, offset, group, need_grad):
@@ -171,25 +172,26 @@ def _row_sum(terms_CV, group):
     return all_reduce_(terms_CV.sum(-1), dist.ReduceOp.SUM, group)
 
 
-def forward_kl_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def forward_kl_rows(logp_CV, logq_CV, scratch, plan, need_grad, check_nan):
     q_CV = torch.exp(logq_CV, out=scratch[0])
-    loss_C = _row_sum(logq_CV.sub_(logp_CV).mul_(q_CV), group)
+    loss_C = _row_sum(logq_CV.sub_(logp_CV).mul_(q_CV), plan.group)
     if check_nan and loss_C.isnan().any():
         return None
     return loss_C, logp_CV.exp_().sub_(q_CV) if need_grad else None
 
 
-def reverse_kl_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def reverse_kl_rows(logp_CV, logq_CV, scratch, plan, need_grad, check_nan):
     p_CV = torch.exp(logp_CV, out=scratch[0])
     terms_CV = torch.sub(logp_CV, logq_CV, out=logq_CV).mul_(p_CV)
-    loss_C = _row_sum(terms_CV, group)
+    loss_C = _row_sum(terms_CV, plan.group)
     if check_nan and loss_C.isnan().any():
         return None
     # d/ds_j sum_k p_k (log p_k - log q_k) = p_j (log p_j - log q_j - loss)
     return loss_C, terms_CV.sub_(p_CV.mul_(loss_C[:, None])) if need_grad else None
 
 
-def jsd_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
+def jsd_rows(logp_CV, logq_CV, scratch, plan, need_grad, check_nan):
+    beta, group = plan.beta, plan.group
     mix_logp_CV, probs_CV = scratch[:2]
     # log m = log(1 - beta) + logaddexp(log q + log(beta / (1 - beta)), log p)
     torch.add(logq_CV, math.log(beta / (1.0 - beta)), out=mix_logp_CV)
@@ -208,6 +210,33 @@ def jsd_rows(logp_CV, logq_CV, scratch, beta, group, need_grad, check_nan):
     # d/ds_j = (1 - beta) p_j (log p_j - log m_j - KL(p || m))
     grad_CV = student_terms_CV.sub_(p_CV.mul_(student_part_C[:, None]))
     return loss_C, grad_CV.mul_(1.0 - beta)
+
+
+def hybrid_kl_rows(logp_CV, logq_CV, scratch, plan, need_grad, check_nan):
+    """Forward KL on the rows where the teacher's top token has probability >= forward_kl_above,
+    reverse KL on the others: the forward gradient p - q pulls up a token the student gives ~0
+    (reverse KL's pull on it is ~p), and reverse KL keeps the student off the teacher's spread."""
+    group = plan.group
+    top_logq_C = all_reduce_(logq_CV.amax(-1), dist.ReduceOp.MAX, group)
+    above = plan.forward_kl_above
+    forward_C = top_logq_C >= (math.log(above) if above > 0 else -math.inf)
+    q_CV, terms_CV = scratch[:2]
+    torch.exp(logq_CV, out=q_CV)
+    diff_CV = logq_CV.sub_(logp_CV)  # log q - log p
+    p_CV = logp_CV.exp_()
+    forward_kl_C = _row_sum(torch.mul(q_CV, diff_CV, out=terms_CV), group)
+    reverse_kl_C = _row_sum(torch.mul(p_CV, diff_CV, out=terms_CV), group).neg_()
+    if check_nan and (forward_kl_C.isnan().any() or reverse_kl_C.isnan().any()):
+        return None
+    loss_C = torch.where(forward_C, forward_kl_C, reverse_kl_C)
+    if not need_grad:
+        return loss_C, None
+    # forward rows: p - q; reverse rows: p (log p - log q - KL) = -p (log q - log p) - p KL.
+    # As one expression with per-row coefficients: p * a - q * f - terms * r.
+    forward_CV = forward_C.to(p_CV.dtype)[:, None]
+    p_scale_CV = torch.where(forward_C, 1.0, -reverse_kl_C)[:, None]
+    grad_CV = p_CV.mul_(p_scale_CV).addcmul_(q_CV, forward_CV, value=-1.0)
+    return loss_C, grad_CV.addcmul_(terms_CV, 1.0 - forward_CV, value=-1.0)
 
 
 def lift_topk_teacher(student_logp_CV, token_ids_CK, logprobs_CK, rest_logprob_C, offset, group,

@@ -70,11 +70,12 @@ class DistillationHead:
                                                teacher_weight, self.target_mask_N,
                                                teacher_bias=teacher_bias,
                                                direction=loss.direction, beta=loss.beta,
-                                               **common)
+                                               forward_kl_above=loss.forward_kl_above, **common)
         else:
             assert isinstance(signal, TopKTeacher)
             loss_sum = fused_distillation_loss(hidden_NH, weight_VH,
                                                target_mask=self.target_mask_N,
                                                teacher_topk=signal, direction=loss.direction,
-                                               beta=loss.beta, **common)
+                                               beta=loss.beta,
+                                               forward_kl_above=loss.forward_kl_above, **common)
         return loss_sum, self.target_mask_N.sum()

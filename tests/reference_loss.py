@@ -53,6 +53,16 @@ def generalized_jsd(student_logits, teacher_logits, target_mask, temperature=1.0
     return rows.mean() * temperature ** 2
 
 
+def hybrid_kl(student_logits, teacher_logits, target_mask, temperature=1.0, forward_kl_above=0.9):
+    """KL(teacher || student) on rows where the teacher's top probability >= forward_kl_above,
+    KL(student || teacher) on the others, mean over target rows, times T ** 2."""
+    logp = F.log_softmax(student_logits[target_mask].double() / temperature, dim=-1)
+    logq = F.log_softmax(teacher_logits.detach()[target_mask].double() / temperature, dim=-1)
+    forward = logq.exp().amax(-1) >= forward_kl_above
+    rows = torch.where(forward, _kl_rows(logq, logp), _kl_rows(logp, logq))
+    return rows.mean() * temperature ** 2
+
+
 def coarse_topk_divergence(student_logits, teacher_logits, target_mask, k, temperature=1.0,
                            direction="forward_kl"):
     """Divergence between student and teacher coarsened to the teacher's top k tokens + the rest."""

@@ -19,7 +19,7 @@ def recipe(tmp_path):
 
 
 def test_unknown_direction_is_refused_in_one_sentence_naming_the_key(recipe):
-    sentence = ("loss.direction must be one of forward_kl, reverse_kl, jsd, sft, "
+    sentence = ("loss.direction must be one of forward_kl, reverse_kl, jsd, hybrid_kl, sft, "
                 "sampled_reverse_kl, got 'kl'.")
     with pytest.raises(ConfigError) as error:
         divergences.get("kl")
@@ -34,7 +34,7 @@ def test_every_entry_is_complete_and_its_kernel_exists():
         assert entry.signal in divergences.SIGNALS and entry.doc
         assert callable(getattr(loss_parallel, entry.kernel)), entry.name
         assert entry.topk or entry.signal != "distribution" or entry.topk_refusal
-    assert loss.DIRECTIONS == ("forward_kl", "reverse_kl", "jsd")
+    assert loss.DIRECTIONS == ("forward_kl", "reverse_kl", "jsd", "hybrid_kl")
     assert "55-90%" in divergences.get("reverse_kl").topk_refusal
     assert divergences.get("forward_kl").topk and not divergences.get("jsd").topk
     assert divergences.get("sampled_reverse_kl").needs_sampler_logprobs
@@ -80,3 +80,15 @@ def test_the_three_modes_load(recipe):
                       ["loss.direction=sampled_reverse_kl", "loss.distill_weight=0",
                        "loss.reward_weight=1", "rollout.samples_per_prompt=4"]):
         load_config(recipe, None, overrides)
+
+
+def test_forward_kl_above_belongs_to_hybrid_kl(recipe):
+    with pytest.raises(ConfigError) as error:
+        load_config(recipe, None, ["loss.forward_kl_above=0.5"])
+    assert str(error.value) == (
+        "command line: loss.forward_kl_above applies only to loss.direction=hybrid_kl; leave it "
+        "at 0.9 with loss.direction=forward_kl.")
+    with pytest.raises(ConfigError, match="loss.forward_kl_above must be"):
+        load_config(recipe, None, ["loss.direction=hybrid_kl", "loss.forward_kl_above=2"])
+    config = load_config(recipe, None, ["loss.direction=hybrid_kl", "loss.forward_kl_above=0.5"])
+    assert config.loss.forward_kl_above == 0.5 and config.loss.needs_teacher

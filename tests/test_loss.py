@@ -81,7 +81,7 @@ def test_empty_mask_is_zero_with_graph():
     (dict(student=torch.zeros(10, 7), teacher=torch.zeros(10, 7)), "must share"),
     (dict(mask=torch.ones(2, 4, dtype=torch.bool)), "Target mask \\(2, 4\\) must align"),
     (dict(temperature=0.0), "temperature must be positive, got 0.0"),
-    (dict(direction="kl"), "direction must be one of forward_kl, reverse_kl, jsd, got 'kl'"),
+    (dict(direction="kl"), "direction must be one of forward_kl, reverse_kl, jsd, hybrid_kl, got 'kl'"),
 ])
 def test_seed_errors(bad, message):
     args = dict(student=torch.zeros(2, 5, 6), teacher=torch.zeros(2, 5, 6),
@@ -125,14 +125,37 @@ def test_jsd_end_points_are_the_kls():
         distillation_loss(student, teacher, mask, direction="reverse_kl").item()
 
 
+def test_hybrid_kl_is_forward_kl_where_the_teacher_is_sure_and_reverse_kl_elsewhere():
+    student, teacher, mask = _random_case(5, torch.float64, batch=3, time=10, vocab=12)
+    top_q = torch.softmax(teacher[mask] / 1.3, -1).amax(-1)
+    above = top_q.median().item()  # about half the target rows on each side
+    assert (top_q >= above).any() and (top_q < above).any()
+    for forward_kl_above in (0.0, above, 1.0):
+        expected, expected_grad = _value_and_grad(reference_loss.hybrid_kl, student, teacher,
+                                                  mask, 1.3, forward_kl_above)
+        loss, grad = _value_and_grad(distillation_loss, student, teacher, mask, 1.3,
+                                     "hybrid_kl", forward_kl_above=forward_kl_above,
+                                     chunk_size=3)
+        torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+    for forward_kl_above, direction in ((0.0, "forward_kl"), (1.0, "reverse_kl")):
+        end = distillation_loss(student, teacher, mask, 1.3, "hybrid_kl",
+                                forward_kl_above=forward_kl_above)
+        torch.testing.assert_close(end, distillation_loss(student, teacher, mask, 1.3,
+                                                          direction), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="forward_kl_above must lie in \\[0, 1\\], got 1.5"):
+        distillation_loss(student, teacher, mask, direction="hybrid_kl", forward_kl_above=1.5)
+
+
 @pytest.mark.parametrize("direction, beta, teaches", [
     ("forward_kl", 0.5, True), ("reverse_kl", 0.5, False), ("jsd", 0.5, False),
-    ("jsd", 0.1, False)])
+    ("jsd", 0.1, False), ("hybrid_kl", 0.5, True)])
 def test_only_forward_kl_teaches_an_action_the_student_never_takes(direction, beta, teaches):
     # The checked world's recovery (bench/recovery_token.py): the teacher is sure of a token the
     # warm student gives ~1e-17. Forward KL's gradient on that logit is q - p, about -p; every
     # other divergence's is proportional to the student's own probability (zero-forcing), so
-    # on-policy reverse KL or JSD cannot raise it, whatever the teacher says.
+    # on-policy reverse KL or JSD cannot raise it, whatever the teacher says. hybrid_kl is
+    # forward KL on such a token (the teacher is sure of it).
     student = torch.zeros(1, 1, 8, dtype=torch.float64)
     student[0, 0, 0] = -40.0
     teacher = torch.full((1, 1, 8), -30.0, dtype=torch.float64)
@@ -146,12 +169,13 @@ def test_only_forward_kl_teaches_an_action_the_student_never_takes(direction, be
         assert abs(grad[0, 0, 0].item()) < 1e-15
 
 
-@pytest.mark.parametrize("direction, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5),
-                                             ("jsd", 0.3)])
-def test_gradcheck_float64(direction, beta):
+@pytest.mark.parametrize("direction, options", [
+    ("forward_kl", {}), ("reverse_kl", {}), ("jsd", dict(beta=0.3)),
+    ("hybrid_kl", dict(forward_kl_above=0.45))])
+def test_gradcheck_float64(direction, options):
     student, teacher, mask = _random_case(7, torch.float64, batch=2, time=3, vocab=5)
     assert torch.autograd.gradcheck(
-        lambda s: distillation_loss(s, teacher, mask, 1.3, direction, beta=beta, chunk_size=2),
+        lambda s: distillation_loss(s, teacher, mask, 1.3, direction, chunk_size=2, **options),
         (student,))
     gen = torch.Generator().manual_seed(8)
     hidden, weight, bias = (torch.randn(*shape, generator=gen, dtype=torch.float64,
@@ -161,7 +185,7 @@ def test_gradcheck_float64(direction, beta):
     assert torch.autograd.gradcheck(
         lambda h, w, b: fused_distillation_loss(
             h, w, teacher_hidden, teacher_weight, mask.view(-1), student_bias=b, temperature=0.8,
-            direction=direction, beta=beta, chunk_size=2),
+            direction=direction, chunk_size=2, **options),
         (hidden, weight, bias))
 
 
@@ -266,7 +290,7 @@ def test_vocab_size_for_padded_embeddings():
 
 
 @pytest.mark.parametrize("direction, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5),
-                                             ("jsd", 0.4)])
+                                             ("jsd", 0.4), ("hybrid_kl", 0.5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_vocabulary_gives_no_nan(direction, beta, dtype):
     """-inf logits (a masked vocabulary) act exactly as if those entries were not there."""

@@ -36,22 +36,26 @@ def _shard(tensor, rank, dim=-1):
     return tensor.chunk(WORLD, dim=dim)[rank].contiguous()
 
 
-def _reference(student, teacher, mask, temperature, direction, beta):
+def _reference(student, teacher, mask, temperature, direction, options):
     if direction == "jsd":
-        return reference_loss.generalized_jsd(student, teacher, mask, temperature, beta).float()
+        return reference_loss.generalized_jsd(student, teacher, mask, temperature,
+                                              options["beta"]).float()
+    if direction == "hybrid_kl":
+        return reference_loss.hybrid_kl(student, teacher, mask, temperature,
+                                        options["forward_kl_above"]).float()
     return reference_loss.distillation_loss(student, teacher, mask, temperature, direction)
 
 
-def _check_logits(rank, direction, beta, vocab_size):
+def _check_logits(rank, direction, options, vocab_size):
     gen = torch.Generator().manual_seed(0)
     student = torch.randn(2, 9, VOCAB, generator=gen) * 2
     teacher = torch.randn(2, 9, VOCAB, generator=gen) * 3
     mask = torch.rand(2, 9, generator=gen) < 0.7
     full = student[..., :vocab_size].requires_grad_()
-    expected = _reference(full, teacher[..., :vocab_size], mask, 1.4, direction, beta)
+    expected = _reference(full, teacher[..., :vocab_size], mask, 1.4, direction, options)
     (expected_grad,) = torch.autograd.grad(expected, full)
     local = _shard(student, rank).requires_grad_()
-    loss = distillation_loss(local, _shard(teacher, rank), mask, 1.4, direction, beta=beta,
+    loss = distillation_loss(local, _shard(teacher, rank), mask, 1.4, direction, **options,
                              vocab_size=vocab_size, chunk_size=4,
                              vocab_parallel_group=dist.group.WORLD)
     (grad,) = torch.autograd.grad(loss, local)
@@ -60,7 +64,7 @@ def _check_logits(rank, direction, beta, vocab_size):
     torch.testing.assert_close(grad, _shard(padded_grad, rank), **TOLERANCE)
 
 
-def _check_fused(rank, direction, beta):
+def _check_fused(rank, direction, options):
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(17, 8, generator=gen)
     weight, bias = torch.randn(VOCAB, 8, generator=gen) / 2, torch.randn(VOCAB, generator=gen)
@@ -72,14 +76,14 @@ def _check_fused(rank, direction, beta):
               bias.clone().requires_grad_()]
     expected = _reference((inputs[0] @ inputs[1].t() + inputs[2])[None],
                           (teacher_hidden @ teacher_weight.t() + teacher_bias)[None], mask[None],
-                          0.7, direction, beta)
+                          0.7, direction, options)
     expected_grads = torch.autograd.grad(expected, inputs)
     local = [hidden.clone().requires_grad_(), _shard(weight, rank, 0).requires_grad_(),
              _shard(bias, rank, 0).requires_grad_()]
     loss = fused_distillation_loss(
         local[0], local[1], teacher_hidden, _shard(teacher_weight, rank, 0), mask,
         student_bias=local[2], teacher_bias=_shard(teacher_bias, rank, 0), chunk_size=5,
-        temperature=0.7, direction=direction, beta=beta, vocab_parallel_group=dist.group.WORLD)
+        temperature=0.7, direction=direction, **options, vocab_parallel_group=dist.group.WORLD)
     grads = torch.autograd.grad(loss, local)
     torch.testing.assert_close(loss, expected, **TOLERANCE)
     torch.testing.assert_close(grads[0], expected_grads[0], **TOLERANCE)  # complete on every rank
@@ -131,10 +135,13 @@ def _check_sampled(rank):
 def _vocab_parallel_worker(rank, port):
     _init(rank, port)
     try:
-        for direction, beta in [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)]:
+        # hybrid_kl at 0.33: both cases' teachers have top probabilities on both sides of it
+        for direction, options in [("forward_kl", {}), ("reverse_kl", {}),
+                                   ("jsd", dict(beta=0.3)),
+                                   ("hybrid_kl", dict(forward_kl_above=0.33))]:
             for vocab_size in (VOCAB, VOCAB - 3):  # - 3: padding in the last rank's shard only
-                _check_logits(rank, direction, beta, vocab_size)
-            _check_fused(rank, direction, beta)
+                _check_logits(rank, direction, options, vocab_size)
+            _check_fused(rank, direction, options)
         _check_topk(rank)
         _check_sampled(rank)
         ones = torch.ones(1, 2, dtype=torch.bool)
