@@ -144,10 +144,10 @@ WEAK_START_CONFIG = PrepareConfig(student_steps=600)
 START_1000_CONFIG = PrepareConfig(student_steps=1000)
 # The default recipe's world (recipes/toolcalc_tiny.yaml): the 1,000-step warm start leaves the
 # student far enough below the teacher for 250 steps to show a change, and 400 held-out tasks
-# keep one eval's standard error near 0.023, so that change can be read (README). Two threads:
-# the other rank only waits while rank 0 builds, and the teacher trains 1.15x faster on both
-# cores (which keeps the main command within 10 minutes on the slower machines, README).
-MAIN_CONFIG = PrepareConfig(student_steps=1000, heldout_tasks=400, threads=2)
+# keep one eval's standard error near 0.023, so that change can be read (README). One thread:
+# inside launch/train.py (OMP_WAIT_POLICY=PASSIVE) two made the teacher's SFT slower, not faster
+# (8 steps/s against 13.5 on one, 2026-12-06).
+MAIN_CONFIG = PrepareConfig(student_steps=1000, heldout_tasks=400)
 HARD_CONFIG = PrepareConfig(families=HARD_FAMILIES, family_weights=HARD_FAMILY_WEIGHTS,
                             max_turns=4, student_steps=600)
 # The chain world (worlds.toolcalc.chain): 400 held-out tasks (the study's standard errors), room
