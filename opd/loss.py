@@ -149,6 +149,7 @@ class _Plan:
     direction: str
     beta: float
     forward_kl_above: float  # hybrid_kl's teacher confidence
+    counts: dict | None  # hybrid_kl adds its forward-KL rows to counts["forward_kl_tokens"]
     scale: float  # 1 / target count for "mean", 1 for "sum"
     chunk_size: int
     group: object
@@ -234,13 +235,15 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                       direction: str = "forward_kl", *, beta: float = 0.5,
                       forward_kl_above: float = 0.9, vocab_size: int | None = None, reduction: str = "mean",
                       chunk_size: int | None = None,
-                      vocab_parallel_group: ProcessGroup | None = None) -> torch.Tensor:
+                      vocab_parallel_group: ProcessGroup | None = None,
+                      counts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Full-vocabulary divergence on target tokens, scaled by temperature ** 2.
 
     The seed's function: [batch, time, vocab] logits, a [batch, time] bool mask of target
     positions, the mean over targets (`reduction="mean"`), the same errors; an empty mask gives
     a zero that still has a graph. `teacher_logits` may also be a TopKTeacher whose leading
     dims are [batch, time]. Extra memory is O(chunk_size x vocab) plus the logits' gradient.
+    `counts`, when given, receives the loss's token counts (see `fused_distillation_loss`).
     """
     if isinstance(teacher_logits, TopKTeacher):
         topk, teacher_shape = teacher_logits, tuple(teacher_logits.token_ids.shape)
@@ -269,7 +272,8 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     teacher = _Teacher(topk=teacher_logits) if isinstance(teacher_logits, TopKTeacher) \
         else _Teacher(logits=teacher_logits.detach())
     return _run(student_logits, None, None, mask, teacher, width, offset, float(temperature),
-                direction, (beta, forward_kl_above), reduction, chunk_size, vocab_parallel_group)
+                direction, (beta, forward_kl_above), reduction, chunk_size, vocab_parallel_group,
+                counts=counts)
 
 
 def fused_distillation_loss(
@@ -282,7 +286,8 @@ def fused_distillation_loss(
         teacher_topk: TopKTeacher | None = None, vocab_size: int | None = None,
         chunk_size: int | None = None, temperature: float = 1.0, direction: str = "forward_kl",
         beta: float = 0.5, forward_kl_above: float = 0.9, reduction: str = "mean",
-        vocab_parallel_group: ProcessGroup | None = None) -> torch.Tensor:
+        vocab_parallel_group: ProcessGroup | None = None,
+        counts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """`distillation_loss` formed chunk by chunk from hidden states; no [N, V] tensor exists.
 
     student_hidden [..., H_s] with student_lm_head_weight [V_s, H_s] (and student_bias [V_s]);
@@ -291,7 +296,9 @@ def fused_distillation_loss(
     [len(rows[0]), >= V] (this rank's shard when vocabulary parallel) of the token rows
     `tensor[rows]` (called without grad, once per chunk), or a TopKTeacher. target_mask [...]
     selects the target tokens (all when None). Gradients flow to student_hidden,
-    student_lm_head_weight and student_bias.
+    student_lm_head_weight and student_bias. With `counts` (a dict) hybrid_kl adds to
+    counts["forward_kl_tokens"] (a float64 scalar, created at 0) the number of target tokens
+    that took forward KL, for the trainer's `forward_kl_fraction`.
     """
     lead = _check_student(student_hidden, student_lm_head_weight, student_bias)
     if (teacher_lm_head_weight is not None) + (teacher_logits_fn is not None) \
@@ -327,7 +334,7 @@ def fused_distillation_loss(
         logits_fn=teacher_logits_fn, topk=teacher_topk)
     return _run(student_hidden, student_lm_head_weight, student_bias, mask, teacher, width,
                 offset, float(temperature), direction, (beta, forward_kl_above), reduction,
-                chunk_size, vocab_parallel_group)
+                chunk_size, vocab_parallel_group, counts=counts)
 
 
 def fused_cross_entropy_loss(
@@ -366,14 +373,14 @@ def fused_cross_entropy_loss(
 
 
 def _run(student, weight, bias, mask, teacher, width, offset, temperature, direction, options,
-         reduction, chunk_size, group, labels=None, row_weights=None):
+         reduction, chunk_size, group, labels=None, row_weights=None, counts=None):
     # options: the direction's (beta, forward_kl_above)
     rows = mask.nonzero(as_tuple=True)
     count = rows[0].numel()
     plan = _Plan(rows=rows, teacher=teacher, labels=labels, row_weights=row_weights,
                  width=width, offset=offset,
                  temperature=temperature, direction=direction, beta=float(options[0]),
-                 forward_kl_above=float(options[1]),
+                 forward_kl_above=float(options[1]), counts=counts,
                  scale=1.0 / count if reduction == "mean" and count else 1.0,
                  chunk_size=chunk_size or max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // width),
                  group=group)

@@ -229,6 +229,9 @@ def hybrid_kl_rows(logp_CV, logq_CV, scratch, plan, need_grad, check_nan):
     if check_nan and (forward_kl_C.isnan().any() or reverse_kl_C.isnan().any()):
         return None
     loss_C = torch.where(forward_C, forward_kl_C, reverse_kl_C)
+    if plan.counts is not None:
+        plan.counts["forward_kl_tokens"] = plan.counts.get("forward_kl_tokens", 0.0) \
+            + forward_C.sum(dtype=torch.float64)
     if not need_grad:
         return loss_C, None
     # forward rows: p - q; reverse rows: p (log p - log q - KL) = -p (log q - log p) - p KL.

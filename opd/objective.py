@@ -36,7 +36,8 @@ class DistillationHead:
     labels_N: torch.Tensor | None = None
     sampler_logprobs_N: torch.Tensor | None = None
     advantages_N: torch.Tensor | None = None
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # the estimator's, per call
+    # Per call: the sampled estimator's statistics, or hybrid_kl's forward-KL token count
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def loss(self, hidden_NH, weight_VH, bias_V) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of the per-token loss over targets, and the target count.
@@ -66,11 +67,14 @@ class DistillationHead:
             self.stats = stats
         elif isinstance(signal, FullDistribution):
             teacher_weight, teacher_bias = self.teacher_head
+            counts: dict[str, torch.Tensor] = {}
             loss_sum = fused_distillation_loss(hidden_NH, weight_VH, signal.hidden_NH,
                                                teacher_weight, self.target_mask_N,
                                                teacher_bias=teacher_bias,
                                                direction=loss.direction, beta=loss.beta,
-                                               forward_kl_above=loss.forward_kl_above, **common)
+                                               forward_kl_above=loss.forward_kl_above,
+                                               counts=counts, **common)
+            self.stats = counts
         else:
             assert isinstance(signal, TopKTeacher)
             loss_sum = fused_distillation_loss(hidden_NH, weight_VH,

@@ -299,6 +299,7 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     reads = divergences.get(config.loss.direction).signal
     sampled = reads == "sampled"
     stats: dict[str, torch.Tensor] | None = None
+    forward_kl_tokens = 0.0  # hybrid_kl's target tokens on forward KL
     for batch in batches:
         batch = batch.to(world.device)
         extra = sampled_inputs(run, batch, trajectories) if sampled \
@@ -316,9 +317,11 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
             run.student.backward(batch_sum * scale)
         if sampled:
             stats = accumulate_stats(stats, head.stats)
+        forward_kl_tokens += float(head.stats.get("forward_kl_tokens", 0.0))
         loss_sum += float(batch_sum.detach())
         train_s += time.perf_counter() - tick
-    total_loss, global_teacher_tokens = all_reduce([loss_sum, teacher_tokens])
+    total_loss, global_teacher_tokens, global_forward_kl_tokens = all_reduce(
+        [loss_sum, teacher_tokens, forward_kl_tokens])
     loss = total_loss / max(global_targets, 1.0)
 
     tick = time.perf_counter()
@@ -338,6 +341,8 @@ def optimize(run: Run, trajectories: list[AgentTrajectory], step: int) -> dict:
     kl = loss / config.loss.temperature ** 2 \
         if divergences.get(config.loss.direction).kl_reported else None
     estimator = sampled_statistics(stats) if sampled else {}
+    if config.loss.direction == "hybrid_kl":  # how much of the step took forward KL's pull
+        estimator["forward_kl_fraction"] = global_forward_kl_tokens / max(global_targets, 1.0)
     if sampled and run.teacher is not None:  # the k1 estimate of KL(student || teacher)
         kl = estimator["kl_k1"]
     return {**estimator, "loss": loss, "kl_per_token": kl, "target_tokens": int(global_targets),

@@ -147,6 +147,32 @@ def test_hybrid_kl_is_forward_kl_where_the_teacher_is_sure_and_reverse_kl_elsewh
         distillation_loss(student, teacher, mask, direction="hybrid_kl", forward_kl_above=1.5)
 
 
+def test_hybrid_kl_counts_the_target_tokens_it_puts_on_forward_kl():
+    student, teacher, mask = _random_case(7, torch.float64, batch=3, time=10, vocab=12)
+    top_q = torch.softmax(teacher[mask], -1).amax(-1)
+    above = top_q.median().item()
+    counts: dict = {}
+    distillation_loss(student, teacher, mask, direction="hybrid_kl", forward_kl_above=above,
+                      chunk_size=4, counts=counts)
+    assert counts["forward_kl_tokens"].item() == (top_q >= above).sum().item()
+    # the fused path over several chunks, and the other directions count nothing
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, teacher_hidden, teacher_weight = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for shape in ((3, 10, 6), (12, 6), (3, 10, 5), (12, 5)))
+    top_q = torch.softmax(teacher_hidden[mask] @ teacher_weight.t(), -1).amax(-1)
+    above = top_q.median().item()
+    fused_counts: dict = {}
+    fused_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, mask,
+                            direction="hybrid_kl", forward_kl_above=above, chunk_size=3,
+                            counts=fused_counts)
+    assert fused_counts["forward_kl_tokens"].item() == (top_q >= above).sum().item()
+    other: dict = {}
+    fused_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, mask,
+                            direction="reverse_kl", counts=other)
+    assert other == {}
+
+
 @pytest.mark.parametrize("direction, beta, teaches", [
     ("forward_kl", 0.5, True), ("reverse_kl", 0.5, False), ("jsd", 0.5, False),
     ("jsd", 0.1, False), ("hybrid_kl", 0.5, True)])

@@ -320,6 +320,38 @@ def test_sft_trains_on_the_completions_cross_entropy_without_the_teacher(world_d
     assert record["loss"] == pytest.approx(nll / targets, rel=1e-4)
 
 
+def test_hybrid_kl_logs_the_fraction_of_target_tokens_on_forward_kl(world_dir, tmp_path):
+    """loss.direction=hybrid_kl: metrics' forward_kl_fraction is the share of the step's target
+    tokens whose teacher gives its top token at least loss.forward_kl_above (plain transformers),
+    with the threshold at the median so that both sides hold tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.data import completion_trajectory, load_jsonl
+
+    config = config_with(world_dir)
+    tokenizer = AutoTokenizer.from_pretrained(world_dir / "tokenizer")
+    teacher = AutoModelForCausalLM.from_pretrained(world_dir / "teacher", dtype=torch.float32)
+    top_probs = []
+    for line in step_records(load_jsonl(world_dir / "completions.jsonl"), 1, config, 0, 1, {}):
+        trajectory = completion_trajectory(tokenizer, line["messages"], line.get("tools"))
+        with torch.no_grad():
+            logits = teacher(torch.tensor([trajectory.input_ids])).logits[0, :-1]
+        mask = torch.tensor(trajectory.assistant_mask[1:])
+        top_probs.append(torch.softmax(logits[mask], -1).amax(-1))
+    top_q = torch.cat(top_probs)
+    above = round(top_q.median().item(), 6)
+    expected = (top_q >= above).double().mean().item()
+    assert 0 < expected < 1
+
+    launch("python", "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
+           "train.steps=1", "loss.direction=hybrid_kl", f"loss.forward_kl_above={above}",
+           "loss.off_policy_fraction=1", "eval.every=0", f"logging.run_dir={tmp_path / 'run'}")
+    record, = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["target_tokens"] == top_q.numel()
+    assert record["forward_kl_fraction"] == pytest.approx(expected, abs=1e-9)
+
+
 def test_recipe_pipeline_prepares_evaluates_trains_and_prints_the_table(tmp_path):
     """The default recipe's stages on 2 ranks, with toolcalc's test-sized prepare step, and
     eval.baseline's SFT control arm: the same warm student on the dataset's completions only,
