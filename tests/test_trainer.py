@@ -290,32 +290,40 @@ def test_plain_python_is_a_world_of_one(world_dir, tmp_path):
     assert len(records) == 1 and records[0]["conversations"] == 4
 
 
-def test_sft_trains_on_the_completions_cross_entropy_without_the_teacher(world_dir, tmp_path):
-    """loss.direction=sft: step 1's loss is the warm student's mean negative log-likelihood of
-    the step's completion tokens (plain transformers), and the teacher scores nothing."""
+def step_one_completion_targets(world_dir: Path, model: str):
+    """Per completion of step 1's off-policy batch: `model`'s logits (plain transformers) at the
+    completion's target tokens and those tokens, each [targets, ...]."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd.data import completion_trajectory, load_jsonl
+
+    config = config_with(world_dir)
+    tokenizer = AutoTokenizer.from_pretrained(world_dir / "tokenizer")
+    network = AutoModelForCausalLM.from_pretrained(world_dir / model, dtype=torch.float32)
+    for line in step_records(load_jsonl(world_dir / "completions.jsonl"), 1, config, 0, 1, {}):
+        trajectory = completion_trajectory(tokenizer, line["messages"], line.get("tools"))
+        ids = torch.tensor([trajectory.input_ids])
+        with torch.no_grad():
+            logits = network(ids).logits[0, :-1]
+        mask = torch.tensor(trajectory.assistant_mask[1:])
+        yield logits[mask], ids[0, 1:][mask]
+
+
+def test_sft_trains_on_the_completions_cross_entropy_without_the_teacher(world_dir, tmp_path):
+    """loss.direction=sft: step 1's loss is the warm student's mean negative log-likelihood of
+    the step's completion tokens (plain transformers), and the teacher scores nothing."""
+    import torch.nn.functional as F
 
     launch("python", "launch/train.py", "--recipe", str(world_dir / "recipe.yaml"),
            "train.steps=1", "loss.direction=sft", "loss.off_policy_fraction=1",
            "eval.every=0", f"logging.run_dir={tmp_path / 'run'}")
     record, = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert record["teacher_tokens"] == 0 and record["kl_per_token"] is None
-    config = config_with(world_dir)
-    tokenizer = AutoTokenizer.from_pretrained(world_dir / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(world_dir / "student", dtype=torch.float32)
     nll, targets = 0.0, 0
-    for line in step_records(load_jsonl(world_dir / "completions.jsonl"), 1, config, 0, 1, {}):
-        trajectory = completion_trajectory(tokenizer, line["messages"], line.get("tools"))
-        ids = torch.tensor([trajectory.input_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, :-1]
-        mask = torch.tensor(trajectory.assistant_mask[1:])
-        nll += F.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum").item()
-        targets += int(mask.sum())
+    for logits, labels in step_one_completion_targets(world_dir, "student"):
+        nll += F.cross_entropy(logits, labels, reduction="sum").item()
+        targets += labels.numel()
     assert record["target_tokens"] == targets
     assert record["loss"] == pytest.approx(nll / targets, rel=1e-4)
 
@@ -325,21 +333,9 @@ def test_hybrid_kl_logs_the_fraction_of_target_tokens_on_forward_kl(world_dir, t
     tokens whose teacher gives its top token at least loss.forward_kl_above (plain transformers),
     with the threshold at the median so that both sides hold tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.data import completion_trajectory, load_jsonl
-
-    config = config_with(world_dir)
-    tokenizer = AutoTokenizer.from_pretrained(world_dir / "tokenizer")
-    teacher = AutoModelForCausalLM.from_pretrained(world_dir / "teacher", dtype=torch.float32)
-    top_probs = []
-    for line in step_records(load_jsonl(world_dir / "completions.jsonl"), 1, config, 0, 1, {}):
-        trajectory = completion_trajectory(tokenizer, line["messages"], line.get("tools"))
-        with torch.no_grad():
-            logits = teacher(torch.tensor([trajectory.input_ids])).logits[0, :-1]
-        mask = torch.tensor(trajectory.assistant_mask[1:])
-        top_probs.append(torch.softmax(logits[mask], -1).amax(-1))
-    top_q = torch.cat(top_probs)
+    top_q = torch.cat([torch.softmax(logits, -1).amax(-1)
+                       for logits, _ in step_one_completion_targets(world_dir, "teacher")])
     above = round(top_q.median().item(), 6)
     expected = (top_q >= above).double().mean().item()
     assert 0 < expected < 1
