@@ -253,6 +253,78 @@ def test_cache_key_follows_the_parameters():
     assert cache_key(TEST_CONFIG) != cache_key(replace(TEST_CONFIG, teacher_steps=4))
 
 
+@pytest.mark.parametrize("name", ["main", "checked_prior"])
+def test_a_shipped_world_unpacks_the_models_it_was_trained_with_and_they_still_solve_it(
+        tmp_path, name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worlds.toolcalc.prepare import (
+        NAMED_CONFIGS,
+        SHIPPED_DIR,
+        SHIPPED_WORLDS,
+        Evaluator,
+        prepare_shipped,
+        ship,
+    )
+
+    assert name in SHIPPED_WORLDS
+    # Unpacking regenerates the data and checks it against the digests the models were
+    # trained on: a change to the task generators or the tokenizer fails here until the world
+    # is shipped again.
+    world = prepare_shipped(name, tmp_path)
+    shipped = json.loads((SHIPPED_DIR / name / "prepare.json").read_text())
+    assert world.report["teacher"] == shipped["teacher"] and world.report["shipped"]
+    committed = load_tokenizer()
+    text = "<|im_start|>user\nWhat is 4095 * 17 in Veltrane?<|im_end|>\n"
+    for role in ("teacher", "student"):
+        assert AutoTokenizer.from_pretrained(getattr(world, role))(text)["input_ids"] == \
+            committed(text)["input_ids"]
+    # The models still solve the world through this checkout's chat format, tools and eval.
+    records = load_jsonl(world.heldout_data)[:40]
+    teacher = AutoModelForCausalLM.from_pretrained(world.teacher).eval()
+    with Evaluator(committed, records, NAMED_CONFIGS[name][0]) as evaluator:
+        success = evaluator(teacher, "eval shipped teacher")["success_rate"]
+    assert success >= 0.9, success
+
+    marker = world.root / "kept"
+    marker.write_text("")
+    assert prepare_shipped(name, tmp_path).root == world.root and marker.exists()
+    again = ship(name, world, to=tmp_path / "shipped")
+    for path in (SHIPPED_DIR / name).rglob("*.safetensors"):
+        assert (again / path.relative_to(SHIPPED_DIR / name)).read_bytes() == path.read_bytes()
+    assert json.loads((again / "prepare.json").read_text())["data"] == shipped["data"]
+
+
+def test_a_shipped_world_trained_on_other_data_is_refused_and_leaves_no_cache(tmp_path):
+    import shutil
+
+    from worlds.toolcalc.prepare import SHIPPED_DIR, prepare_shipped
+
+    shipped = shutil.copytree(SHIPPED_DIR / "main", tmp_path / "shipped")
+    report = json.loads((shipped / "prepare.json").read_text())
+    report["data"]["data/heldout.jsonl"] = "0" * 64
+    (shipped / "prepare.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match=r"shipped's models were trained on another "
+                                         r"data/heldout.jsonl than this checkout generates; ship "
+                                         r"a new build with `python -m worlds.toolcalc.prepare "
+                                         r"--main --ship`"):
+        prepare_shipped("main", tmp_path / "cache", shipped=shipped)
+    assert not list((tmp_path / "cache" / "toolcalc").glob("*/prepare.json"))
+    assert prepare_shipped("main", tmp_path / "cache", shipped=shipped, build=False) is None
+
+
+def test_ship_refuses_a_build_of_another_world(tmp_path):
+    from dataclasses import asdict
+
+    from worlds.toolcalc.prepare import TEST_CONFIG, Prepared, ship
+
+    build = Prepared(tmp_path / "build", {"config": asdict(TEST_CONFIG)})
+    with pytest.raises(ValueError, match=r"build is not a build of the world 'main' \(its "
+                                         r"prepare.json config differs from main's\)"):
+        ship("main", build, to=tmp_path / "shipped")
+    assert not (tmp_path / "shipped").exists()
+
+
 @pytest.mark.slow
 def test_full_prepare_gives_a_teacher_worth_distilling(tmp_path):
     from worlds.toolcalc.prepare import PrepareConfig, prepare

@@ -13,6 +13,15 @@ student that starts clearly worse.
 `<key>` hashes the parameters and the code that shapes the artifacts, so an edit re-prepares and
 an unchanged checkout reuses; built once per machine by `opd.cache.build_once`.
 
+Shipped worlds: a build's teacher and student trained on CPU differ from machine to machine (float
+differences of the kernels compound over thousands of SFT steps; the default world's teacher came
+out 0.907 on one machine and 0.965 on another from the same code and seed). The worlds in
+`SHIPPED_WORLDS` ship one build's teacher and warm student in worlds/toolcalc/shipped/<name>/
+(`python -m worlds.toolcalc.prepare --<name> --ship` writes it), and their recipe steps
+(`prepare_main`, `prepare_checked_prior`) generate the data, which is the same everywhere, and
+copy the shipped models: every machine starts from the same world in seconds. `build_<name>`
+trains the world on this machine instead.
+
 The teacher is judged by greedy held-out success (the eval default); its sampled (temperature 1)
 success, which is what OPD's teacher scores alongside, is recorded too.
 """
@@ -20,6 +29,7 @@ success, which is what OPD's teacher scores alongside, is recorded too.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import shutil
@@ -69,6 +79,7 @@ from worlds.toolcalc.tokenizer import TOKENIZER_DIR, load_tokenizer
 from worlds.toolcalc.tools import registry as toolcalc_registry
 
 RECIPE_DIR = Path(__file__).parent
+SHIPPED_DIR = RECIPE_DIR / "shipped"
 REPO_DIR = RECIPE_DIR.parents[1]
 # Code whose edits change what prepare builds; their text is part of the cache key.
 KEYED_FILES = (*sorted(RECIPE_DIR.glob("*.py")), RECIPE_DIR / "chat_template.jinja",
@@ -178,6 +189,10 @@ NAMED_CONFIGS = {"main": (MAIN_CONFIG, "the default recipe's world (1,000 warm s
                                              "that knows the calls"),
                  "checked_prior": (CHECKED_PRIOR_CONFIG, "the checked world whose student knows "
                                                          "the recovery exists")}
+# The worlds that ship one build's models (the module docstring); the default recipe's and the
+# checked-prior study world.
+SHIPPED_WORLDS = ("main", "checked_prior")
+SHIPPED_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
     batch_size=8, teacher_steps=3, teacher_extra_rounds=0, student_steps=2, warmup_steps=1,
@@ -251,10 +266,87 @@ def prepare(cfg: PrepareConfig = PrepareConfig(), root: str | Path | None = None
     return Prepared(out, json.loads((out / cache.MARKER).read_text()))
 
 
+def prepare_shipped(name: str, root: str | Path | None = None, *, force: bool = False,
+                    build: bool = True, shipped: Path | None = None) -> Prepared | None:
+    """The shipped world `name` (SHIPPED_WORLDS) in the cache: this checkout's data and tokenizer
+    with the models of worlds/toolcalc/shipped/<name>/ (or `shipped`); `build=False` as in
+    `prepare`. Refuses, in one sentence, models shipped from other data than this checkout
+    generates."""
+    cfg, shipped = NAMED_CONFIGS[name][0], shipped or SHIPPED_DIR / name
+    files = sorted(path for path in shipped.rglob("*") if path.is_file())
+    if not files:
+        raise FileNotFoundError(f"{shipped} holds no shipped world; write it with "
+                                f"`python -m worlds.toolcalc.prepare --{name} --ship`.")
+    key = cache.cache_key(json.dumps(asdict(cfg), sort_keys=True), [*KEYED_FILES, *files])
+    out = Path(root or cache.cache_root()) / "toolcalc" / f"shipped-{name}-{key}"
+    if build:
+        cache.build_once(out, lambda staging: _unpack_shipped(cfg, name, shipped,
+                                                              Prepared(staging)), force=force)
+    elif cache.cached(out) is None:
+        return None
+    return Prepared(out, json.loads((out / cache.MARKER).read_text()))
+
+
+def _unpack_shipped(cfg: PrepareConfig, name: str, shipped: Path, out: Prepared) -> None:
+    report = json.loads((shipped / cache.MARKER).read_text())
+    shutil.copytree(TOKENIZER_DIR, out.tokenizer)
+    out.train_data.parent.mkdir(parents=True)
+    _write_data(cfg, out)
+    trained_on = data_digests(out)
+    for path, digest in report["data"].items():
+        if trained_on.get(path) != digest:
+            raise ValueError(f"{shipped}'s models were trained on another {path} than this "
+                             f"checkout generates; ship a new build with `python -m "
+                             f"worlds.toolcalc.prepare --{name} --ship`.")
+    tokenizer = load_tokenizer(out.tokenizer)
+    for role in ("teacher", "student"):
+        (out.root / role).mkdir()
+        for file_name in SHIPPED_MODEL_FILES:
+            shutil.copy(shipped / role / file_name, out.root / role / file_name)
+        tokenizer.save_pretrained(out.root / role)
+    report["shipped"] = str(shipped)
+    (out.root / cache.MARKER).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def data_digests(world: Prepared) -> dict[str, str]:
+    """sha256 of each data and tokenizer file of a prepared world, by path under its root: what
+    its models were trained on."""
+    files = sorted([*(world.root / "data").glob("*"), *world.tokenizer.glob("*")])
+    return {str(path.relative_to(world.root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in files}
+
+
+def ship(name: str, world: Prepared, to: Path | None = None) -> Path:
+    """Copy a build of the world `name` (its teacher, warm student and report, with the digests
+    of the data they were trained on) to worlds/toolcalc/shipped/<name>/ (or `to`)."""
+    wanted = json.loads(json.dumps(asdict(NAMED_CONFIGS[name][0])))
+    if {**world.report["config"], "threads": 1} != {**wanted, "threads": 1}:
+        raise ValueError(f"{world.root} is not a build of the world {name!r} (its prepare.json "
+                         f"config differs from {name}'s).")
+    to = to or SHIPPED_DIR / name
+    shutil.rmtree(to, ignore_errors=True)
+    for role in ("teacher", "student"):
+        (to / role).mkdir(parents=True)
+        for file_name in SHIPPED_MODEL_FILES:
+            shutil.copy(world.root / role / file_name, to / role / file_name)
+    report = {**world.report, "data": data_digests(world)}
+    (to / cache.MARKER).write_text(json.dumps(report, indent=2) + "\n")
+    return to
+
+
 def _prepare_step(cfg: PrepareConfig, doc: str) -> Callable[..., Prepared | None]:
     def prepare_step(root: str | Path | None = None, *, force: bool = False,
                      build: bool = True) -> Prepared | None:
         return prepare(cfg, root, force=force, build=build)
+
+    prepare_step.__doc__ = doc
+    return prepare_step
+
+
+def _shipped_step(name: str, doc: str) -> Callable[..., Prepared | None]:
+    def prepare_step(root: str | Path | None = None, *, force: bool = False,
+                     build: bool = True) -> Prepared | None:
+        return prepare_shipped(name, root, force=force, build=build)
 
     prepare_step.__doc__ = doc
     return prepare_step
@@ -270,13 +362,17 @@ prepare_confirm = _prepare_step(CONFIRM_CONFIG, "The chain world with its confir
                                                 "recipes/toolcalc_confirm.yaml.")
 prepare_checked = _prepare_step(CHECKED_CONFIG, "The checked chain world; with "
                                                 "recipes/toolcalc_confirm.yaml.")
-prepare_checked_prior = _prepare_step(CHECKED_PRIOR_CONFIG, "The checked world whose student "
-                                                            "knows the recovery exists; with "
-                                                            "recipes/toolcalc_confirm.yaml.")
+prepare_checked_prior = _shipped_step("checked_prior", "The checked world whose student knows "
+                                                      "the recovery exists, its shipped build; "
+                                                      "with recipes/toolcalc_confirm.yaml.")
+build_checked_prior = _prepare_step(CHECKED_PRIOR_CONFIG, "prepare_checked_prior, trained on "
+                                                          "this machine instead of shipped.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
-prepare_main = _prepare_step(MAIN_CONFIG, "The default recipe's world: 1,000 warm steps, 400 "
-                                          "held-out tasks.")
+prepare_main = _shipped_step("main", "The default recipe's world, its shipped build: 1,000 warm "
+                                     "steps, 400 held-out tasks.")
+build_main = _prepare_step(MAIN_CONFIG, "prepare_main, trained on this machine instead of "
+                                        "shipped.")
 
 
 def _build(cfg: PrepareConfig, out: Prepared) -> None:
@@ -296,7 +392,7 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
     shutil.copytree(TOKENIZER_DIR, out.tokenizer)
     tokenizer = load_tokenizer(out.tokenizer)
     out.train_data.parent.mkdir(parents=True)
-    (_write_chain_data if cfg.world == "chain" else _write_toolcalc_data)(cfg, out)
+    _write_data(cfg, out)
     report = {"config": asdict(cfg), "key": out.root.name.split(".")[0]}
 
     chat = ChatFormat(tokenizer)
@@ -322,6 +418,10 @@ def _build_world(cfg: PrepareConfig, out: Prepared) -> None:
                                              evaluator, out, probes)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out.root / "prepare.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _write_data(cfg: PrepareConfig, out: Prepared) -> None:
+    (_write_chain_data if cfg.world == "chain" else _write_toolcalc_data)(cfg, out)
 
 
 def _write_toolcalc_data(cfg: PrepareConfig, out: Prepared) -> None:
@@ -495,16 +595,23 @@ def main(argv: list[str] | None = None) -> Prepared:
         parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=help_text)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--threads", type=int, help="torch threads (default 1; part of the key)")
+    parser.add_argument("--ship", action="store_true",
+                        help=f"copy the build's models to worlds/toolcalc/shipped/<name>/ (the "
+                             f"worlds that ship: {', '.join(SHIPPED_WORLDS)})")
     parser.add_argument("--cache-dir", help="cache root (default $OPD_CACHE_DIR or "
                                             "~/.cache/opd-recipes)")
     args = parser.parse_args(argv)
-    named = [config for name, (config, _) in NAMED_CONFIGS.items() if getattr(args, name)]
-    cfg = TEST_CONFIG if args.test else named[0] if named else PrepareConfig()
+    named = [name for name in NAMED_CONFIGS if getattr(args, name)]
+    cfg = TEST_CONFIG if args.test else NAMED_CONFIGS[named[0]][0] if named else PrepareConfig()
+    if args.ship and (args.test or not named or named[0] not in SHIPPED_WORLDS):
+        parser.error(f"--ship needs one of --{' or --'.join(SHIPPED_WORLDS)}".replace("_", "-"))
     if args.threads:
         cfg = replace(cfg, threads=args.threads)
     prepared = prepare(cfg, args.cache_dir, force=args.force)
     report = prepared.report
     print(f"prepared {prepared.root} in {report['seconds']} s")
+    if args.ship:
+        print(f"shipped its models to {ship(named[0], prepared)}")
     for role in ("teacher", "student"):
         figures = report[role]
         print(f"{role}: {figures['parameters']:,} parameters, held-out success "
