@@ -389,6 +389,12 @@ class Config:
     def tokenizer_path(self) -> str:
         return self.model.tokenizer or self.model.student
 
+    @property
+    def teacher_signal(self) -> str:
+        """What the teacher returns: `teacher.signal`, or what `loss.direction` reads."""
+        return self.teacher.signal if self.teacher.signal != "auto" \
+            else divergences.get(self.loss.direction).signal
+
 
 # Keys that no longer exist: what to write instead, in one sentence.
 RENAMED = {

@@ -8,7 +8,8 @@ polls until every server answers /health (opd.teachers.served).
 
 The servers' engine options come from the recipe: the teacher's directory and the run's
 tokenizer (the trainer checks the served vocabulary against it), the longest conversation
-(`rollout.max_total_len` + 1), the largest top-k, the dtype (`teacher.precision`), and
+(`rollout.max_total_len` + 1), the largest top-k, the dtype (`teacher.precision`), the payload
+the loss reads (hidden states for `distribution`, else log-probs at `loss.temperature`), and
 `teacher.quantization`, `teacher.expert_parallel`, `teacher.gpu_memory_utilization`.
 """
 
@@ -67,6 +68,10 @@ def server_args(config: Config) -> list[str]:
             "--max-top-k", str(max(MIN_TOP_K, teacher.top_k)),
             "--dtype", DTYPES[teacher.precision],
             "--gpu-memory-utilization", f"{teacher.gpu_memory_utilization:g}"]
+    if config.teacher_signal == "distribution":
+        args += ["--payload", "hidden"]
+    elif config.loss.temperature != 1.0:
+        args += ["--temperature", f"{config.loss.temperature:g}"]
     if teacher.quantization != "none":
         args += ["--quantization", teacher.quantization]
     if teacher.expert_parallel:

@@ -149,8 +149,7 @@ def start(config: Config, plugins: Plugins, inputs: RunInputs, world: World) -> 
 
 def signal_request(config: Config, vocab_size: int) -> SignalRequest:
     """What the loss asks of the teacher: `teacher.signal`, or the direction's own need."""
-    kind = config.teacher.signal if config.teacher.signal != "auto" \
-        else divergences.get(config.loss.direction).signal
+    kind = config.teacher_signal
     # A k past the vocabulary is the whole distribution as top-k (no tail).
     return SignalRequest(kind, vocab_size, config.loss.temperature,
                          min(config.teacher.top_k, vocab_size))

@@ -88,11 +88,18 @@ def test_what_a_served_teacher_cannot_run_is_refused_before_any_engine(keys, mes
         ServedTeacher.check(config, ONE_CPU_RANK)
 
 
-def test_a_temperature_other_than_one_is_refused():
-    config = Config(teacher=TeacherConfig(engine="served", urls=["http://127.0.0.1:1"]),
-                    loss=LossConfig(direction="sampled_reverse_kl", temperature=1.5))
-    with pytest.raises(ConfigError, match=r"loss.temperature=1.5 .* raw distribution"):
-        ServedTeacher.check(config, ONE_CPU_RANK)
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0"], "--temperature must be positive, got 0"),
+    (["--temperature", "1.5", "--payload", "hidden"],
+     "--temperature applies to --payload logprobs; with hidden states the trainer applies the "
+     "head at loss.temperature itself"),
+])
+def test_a_server_temperature_that_cannot_work_is_refused_in_one_sentence(argv, message, capsys):
+    from opd.teachers.server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", *argv])
+    assert message in capsys.readouterr().err
 
 
 def test_a_server_that_never_comes_up_is_reported_in_one_sentence():
@@ -106,12 +113,14 @@ def test_a_server_that_never_comes_up_is_reported_in_one_sentence():
 # -- the real engine -----------------------------------------------------------------------------
 
 def start_server(model: Path, port: int, max_top_k: int, log: Path,
-                 payload: str = "logprobs", dtype: str = "float32") -> subprocess.Popen:
+                 payload: str = "logprobs", dtype: str = "float32",
+                 temperature: float = 1.0) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "opd.teachers.server", "--model", str(model), "--port", str(port),
          "--max-top-k", str(max_top_k), "--max-model-len", "512", "--dtype", dtype,
-         "--gpu-memory-utilization", "0.3", "--payload", payload],
+         "--gpu-memory-utilization", "0.3", "--payload", payload,
+         "--temperature", f"{temperature:g}"],
         cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -130,12 +139,11 @@ def models(compact_tokenizer, tmp_path_factory):
     return root / "student", root / "teacher", len(compact_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
+def _serving(models, tmp_path_factory, temperature: float):
     _, teacher, vocab = models
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = start_server(teacher, port, vocab, log)
+    process = start_server(teacher, port, vocab, log, temperature=temperature)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(url, timeout_s=600)
@@ -144,14 +152,31 @@ def server(models, tmp_path_factory):
         stop(process)
 
 
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    yield from _serving(models, tmp_path_factory, 1.0)
+
+
+@pytest.fixture(scope="module")
+def hot_server(models, tmp_path_factory):
+    """The same teacher served at temperature 1.5."""
+    yield from _serving(models, tmp_path_factory, 1.5)
+
+
 @pytest.mark.vllm
 @vllm_installed
-@pytest.mark.parametrize("kind, top_k", [("sampled", 0), ("topk", None), ("topk", 8)])
-def test_served_scores_equal_the_in_process_teachers(models, server, kind, top_k):
-    """Sampled log-probs, and top-k with k = V (the whole distribution) or k = 8, to 1e-4."""
+@pytest.mark.parametrize("kind, top_k, temperature", [
+    ("sampled", 0, 1.0), ("topk", None, 1.0), ("topk", 8, 1.0),
+    ("sampled", 0, 1.5), ("topk", None, 1.5), ("topk", 8, 1.5)])
+def test_served_scores_equal_the_in_process_teachers(models, server, hot_server, kind, top_k,
+                                                     temperature):
+    """Sampled log-probs, and top-k with k = V (the whole distribution) or k = 8, to 1e-4, at
+    temperature 1 and, from a server started with --temperature 1.5, at 1.5."""
     student, teacher_dir, vocab = models
-    request = SignalRequest(kind, vocab, top_k=vocab if top_k is None else top_k)
-    served = ServedTeacher.build(served_config(server, student, teacher_dir, signal=kind),
+    request = SignalRequest(kind, vocab, temperature, top_k=vocab if top_k is None else top_k)
+    config = served_config(hot_server if temperature != 1.0 else server, student, teacher_dir,
+                           signal=kind)
+    served = ServedTeacher.build(replace(config, loss=LossConfig(temperature=temperature)),
                                  ONE_CPU_RANK)
     remote, local = trajectories(vocab), trajectories(vocab)
     served.score_conversations(remote, request)
@@ -250,6 +275,18 @@ def test_another_vocabulary_is_refused_in_one_sentence(models, server, compact_t
         ServedTeacher.build(served_config(server, tmp_path / "student", tmp_path / "teacher",
                                           signal="sampled"), ONE_CPU_RANK)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.vllm
+@vllm_installed
+@pytest.mark.parametrize("kind", ["sampled", "topk"])
+def test_a_server_at_another_temperature_is_refused_in_one_sentence(models, server, kind):
+    student, teacher_dir, _ = models
+    config = served_config(server, student, teacher_dir, signal=kind)
+    with pytest.raises(ConfigError, match=rf"^teacher.urls: {server} scores at temperature 1, "
+                                          r"and loss.temperature=1.5; restart it with "
+                                          r"--temperature 1.5.$"):
+        ServedTeacher.build(replace(config, loss=LossConfig(temperature=1.5)), ONE_CPU_RANK)
 
 
 class _ShortAnswers:

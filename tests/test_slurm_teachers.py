@@ -152,6 +152,23 @@ def test_a_node_split_that_cannot_start_is_refused_in_one_sentence(tmp_path, clu
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("overrides, payload, temperature", [
+    ([], "logprobs", 1.0),
+    (["loss.temperature=1.5"], "logprobs", 1.5),
+    (["teacher.signal=distribution", "loss.temperature=1.5"], "hidden", 1.0),
+])
+def test_the_job_starts_servers_with_the_payload_and_temperature_its_loss_reads(
+        overrides, payload, temperature):
+    """The servers the job starts answer what the trainer will ask for (it refuses others):
+    log-probs at loss.temperature, or hidden states, to which the trainer applies its head at
+    any temperature."""
+    from opd.slurm_teachers import server_args
+    from opd.teachers.server import parse_args
+
+    args = parse_args(server_args(load_config(RECIPE, CLUSTER, overrides)))
+    assert (args.payload, args.temperature) == (payload, temperature)
+
+
 def test_without_teacher_nodes_the_job_is_unchanged():
     """An in-process recipe's job: one srun over every node, no teacher step."""
     result = submit("--cluster", str(REPO / "configs" / "clusters" / "qwen3-4x8xh100.yaml"),

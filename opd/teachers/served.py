@@ -18,7 +18,8 @@ the URL; the checkpoints written so far stay. An answer is used only if it holds
 row per target token; `packed_signal` refuses a conversation without scores.
 
 Payloads: the sampled tokens' log-probs and the top-k ids and log-probs with the rest's mass,
-both at temperature 1 (the engine's prompt log-probs are the raw distribution); and for
+both at the server's `--temperature`, which must be `loss.temperature` (opd.teachers.server
+scales the engine's logits by its inverse); and for
 `teacher.signal=distribution` the teacher's final hidden states (a server started with
 `--payload hidden`), to which the trainer applies the teacher's output head, read from
 `model.teacher` alone and checked against the server's (shape and hash), inside the fused loss:
@@ -40,7 +41,6 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from opd import divergences
 from opd.config import Config
 from opd.dist import World
 from opd.errors import ConfigError, TeacherServerError, VocabularyError
@@ -58,11 +58,6 @@ from opd.teachers.wire import (
 from opd.trajectory import AgentTrajectory
 
 BACKOFF_S = 1.0  # before the first retry; doubled for each further one, at most 30 s
-
-
-def _signal(config: Config) -> str:
-    return config.teacher.signal if config.teacher.signal != "auto" \
-        else divergences.get(config.loss.direction).signal
 
 
 def _describe(error: BaseException, timeout_s: float) -> str:
@@ -94,12 +89,6 @@ class ServedTeacher(Teacher):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"teacher.urls: {url!r} is not an http:// URL of a teacher "
                                   "server.")
-        if config.loss.temperature != 1.0 and _signal(config) != "distribution":
-            raise ConfigError(
-                f"loss.temperature={config.loss.temperature:g} needs the teacher at that "
-                "temperature, and a served teacher's log-probs are its raw distribution "
-                "(temperature 1); set loss.temperature=1, teacher.signal=distribution (the "
-                "trainer applies the head) or use an in-process teacher.")
 
     @classmethod
     def build(cls, config: Config, world: World) -> Teacher:
@@ -110,7 +99,7 @@ class ServedTeacher(Teacher):
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
         vocab_size = check_vocabulary(config.model, tokenizer)
         expected = vocabulary_hash(tokenizer)
-        teacher, signal = config.teacher, _signal(config)
+        teacher, signal = config.teacher, config.teacher_signal
         top_k = min(teacher.top_k, vocab_size) if signal == "topk" else 0
         head = _trainer_head(config, world) if signal == "distribution" else None
         for url in teacher.urls:
@@ -138,6 +127,11 @@ class ServedTeacher(Teacher):
                     f"{health.max_model_len - 1} tokens, fewer than rollout.max_total_len="
                     f"{config.rollout.max_total_len}; restart it with --max-model-len "
                     f"{config.rollout.max_total_len + 1}.")
+            if signal != "distribution" and health.temperature != config.loss.temperature:
+                raise ConfigError(
+                    f"teacher.urls: {url} scores at temperature {health.temperature:g}, and "
+                    f"loss.temperature={config.loss.temperature:g}; restart it with "
+                    f"--temperature {config.loss.temperature:g}.")
             if top_k > health.max_top_k:
                 raise ConfigError(
                     f"teacher.urls: {url} answers a top-k of at most {health.max_top_k}, fewer "

@@ -1,14 +1,14 @@
 """A teacher server: one vLLM engine that scores finished conversations over HTTP.
 
     python -m opd.teachers.server --model DIR --port 8800 [--max-top-k 64] [--host 0.0.0.0]
-                                  [--payload logprobs|hidden]
+                                  [--payload logprobs|hidden] [--temperature 1.0]
 
 Started next to the trainer (launch/teacher_server.sh) or on its own GPUs or nodes; the trainer
 reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served). It answers
 
     GET  /health   a small JSON object: the vocabulary size, a hash of the tokenizer's
                    vocabulary, the longest conversation and the largest top-k it scores,
-                   the payloads it serves and its head's shape and hash
+                   the payloads it serves, their temperature and its head's shape and hash
                    (opd.teachers.wire.Health); it listens only once the engine is ready
     POST /score    a binary request of one or more conversations (token ids and target
                    positions) -> a binary answer: each target token's log-prob and, for topk,
@@ -19,11 +19,15 @@ reaches it with `teacher.engine: served` and `teacher.urls` (opd.teachers.served
                    came from the prefix cache), conversations_rescored (see below)
 
 vLLM scores a prompt with `SamplingParams(max_tokens=1, prompt_logprobs=k)`: the log-prob of
-every prompt token and the top k at each position. Its prompt log-probs are the model's raw
-log-softmax (vLLM applies no sampling processor to prompt tokens, whatever `logprobs_mode`), so
-a served teacher answers at temperature 1 only, and the trainer refuses another
-`loss.temperature`. Requests that arrive together are scored in one `generate` call (one
-engine thread; HTTP threads only parse and wait).
+every prompt token and the top k at each position. Its prompt log-probs are the log-softmax of
+the model's logits as its head leaves them (vLLM applies no sampling processor to prompt
+tokens, whatever `logprobs_mode`), so `--temperature T` divides those logits by T in the head
+itself: the scale of vLLM's LogitsProcessor, which every decoder's `compute_logits` applies
+after the head (and after a soft cap), is multiplied by 1/T in each worker once the engine is
+up. The answers are then log-softmax(logits / T) over the whole vocabulary, as the in-process
+teacher computes them, and /health says T: the trainer refuses a server whose temperature is
+not its `loss.temperature`. Requests that arrive together are scored in one `generate` call
+(one engine thread; HTTP threads only parse and wait).
 
 `--payload hidden` starts vLLM's pooling runner instead (one engine per process, so one payload
 family per server): `encode` with `token_embed` pooling over every token and no activation
@@ -45,6 +49,7 @@ cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import queue
@@ -80,7 +85,7 @@ class ScoringEngine:
     def __init__(self, model: str, tokenizer: str, *, payload: str, max_model_len: int,
                  max_top_k: int, dtype: str, tensor_parallel_size: int,
                  gpu_memory_utilization: float, quantization: str | None = None,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, temperature: float = 1.0):
         # One process: a killed server leaves no engine core behind.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig, AutoTokenizer
@@ -97,7 +102,8 @@ class ScoringEngine:
                                  tokenizer, local_files_only=True)),
                              max_model_len=max_model_len, max_top_k=max_top_k, model=model,
                              payloads=PAYLOADS[payload],
-                             hidden_size=int(text_config.hidden_size), head_sha256=head_sha256)
+                             hidden_size=int(text_config.hidden_size), head_sha256=head_sha256,
+                             temperature=temperature)
         common = dict(model=model, dtype=dtype, seed=0, max_model_len=max_model_len,
                       enforce_eager=True,
                       tensor_parallel_size=tensor_parallel_size,
@@ -120,6 +126,11 @@ class ScoringEngine:
             # Prefix reuse: see the module's docstring.
             self.llm = LLM(skip_tokenizer_init=True, max_logprobs=max_top_k,
                            enable_prefix_caching=True, **common)
+            if temperature != 1.0:
+                scaled = self.llm.apply_model(functools.partial(scale_logits, 1.0 / temperature))
+                if not all(scaled):
+                    raise SystemExit(f"--temperature: {model}'s vLLM model has no "
+                                     "LogitsProcessor to scale; serve it at temperature 1.")
         self.stats = {"tokens_scored": 0, "tokens_computed": 0, "conversations_rescored": 0}
 
     def check(self, request: ScoreRequest) -> None:
@@ -216,6 +227,17 @@ class ScoringEngine:
             answer.topk_rest_T = _rest_logprob(answer.topk_logprobs_TK,
                                                k >= self.health.vocab_size)
         return answer
+
+
+def scale_logits(factor: float, model) -> int:
+    """Multiply the scale of every vLLM LogitsProcessor in `model` by `factor` (in a worker,
+    through `LLM.apply_model`); how many there were."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    heads = [module for module in model.modules() if isinstance(module, LogitsProcessor)]
+    for head in heads:
+        head.scale *= factor
+    return len(heads)
 
 
 def _params(request: ScoreRequest, *, read_cache: bool):
@@ -330,7 +352,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="quantize the weights at load (fp8: half of bf16's bytes)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="a MoE teacher's experts split over the GPUs instead of sliced")
-    return parser.parse_args(argv)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="the log-probs' temperature, the recipe's loss.temperature (logprobs "
+                             "payload; the hidden one leaves it to the trainer)")
+    args = parser.parse_args(argv)
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be positive, got {args.temperature:g}")
+    if args.temperature != 1.0 and args.payload == "hidden":
+        parser.error("--temperature applies to --payload logprobs; with hidden states the "
+                     "trainer applies the head at loss.temperature itself")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -346,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
                            tensor_parallel_size=args.tensor_parallel_size,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            quantization=args.quantization,
-                           enable_expert_parallel=args.enable_expert_parallel)
+                           enable_expert_parallel=args.enable_expert_parallel,
+                           temperature=args.temperature)
     server = ThreadingHTTPServer((args.host, args.port), handler(engine, Batcher(engine)))
     server.daemon_threads = True
     print(f"teacher server: {args.model} on http://{args.host}:{server.server_port}", flush=True)

@@ -92,6 +92,7 @@ class Health:
     payloads: list[str]  # the KINDS it answers (its --payload)
     hidden_size: int  # columns of the output head, the width of a distribution answer
     head_sha256: str  # output_head.head_hash of its head if it serves distribution, else ""
+    temperature: float = 1.0  # of its sampled and top-k log-probs (--temperature)
 
     def to_json(self) -> bytes:
         return json.dumps(vars(self)).encode()
