@@ -45,6 +45,7 @@ from opd import cache
 from opd.chat import ChatFormat
 from opd.config import RolloutConfig
 from opd.data import completion_trajectory, load_jsonl, write_jsonl
+from opd.errors import MissingFileError, ModelFileError
 from opd.eval import evaluate, greedy
 from opd.tools import ToolExecutor
 from worlds.toolcalc.chain import (
@@ -275,7 +276,7 @@ def prepare_shipped(name: str, root: str | Path | None = None, *, force: bool = 
     cfg, shipped = NAMED_CONFIGS[name][0], shipped or SHIPPED_DIR / name
     files = sorted(path for path in shipped.rglob("*") if path.is_file())
     if not files:
-        raise FileNotFoundError(f"{shipped} holds no shipped world; write it with "
+        raise MissingFileError(f"{shipped} holds no shipped world; write it with "
                                 f"`python -m worlds.toolcalc.prepare --{name} --ship`.")
     key = cache.cache_key(json.dumps(asdict(cfg), sort_keys=True), [*KEYED_FILES, *files])
     out = Path(root or cache.cache_root()) / "toolcalc" / f"shipped-{name}-{key}"
@@ -295,9 +296,9 @@ def _unpack_shipped(cfg: PrepareConfig, name: str, shipped: Path, out: Prepared)
     trained_on = data_digests(out)
     for path, digest in report["data"].items():
         if trained_on.get(path) != digest:
-            raise ValueError(f"{shipped}'s models were trained on another {path} than this "
-                             f"checkout generates; ship a new build with `python -m "
-                             f"worlds.toolcalc.prepare --{name} --ship`.")
+            raise ModelFileError(f"{shipped}'s models were trained on another {path} than "
+                                 f"this checkout generates; ship a new build with `python "
+                                 f"-m worlds.toolcalc.prepare --{name} --ship`.")
     tokenizer = load_tokenizer(out.tokenizer)
     for role in ("teacher", "student"):
         (out.root / role).mkdir()
