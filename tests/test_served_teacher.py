@@ -432,12 +432,17 @@ def test_zero3_on_two_ranks_trains_from_a_served_teacher_and_resumes_exactly(ser
 
 @pytest.mark.vllm
 @vllm_installed
-def test_scoring_that_overlaps_the_rollout_trains_like_scoring_after_it(served_world):
+@pytest.mark.parametrize("sampler", [
+    [], ["rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2"]], ids=["hf", "vllm_tp2"])
+def test_scoring_that_overlaps_the_rollout_trains_like_scoring_after_it(served_world, sampler):
     """teacher.overlap sends each conversation as the rollout finishes it; the step trains the
-    same as when every conversation is scored after the rollout."""
+    same as when every conversation is scored after the rollout. With one tensor-parallel vLLM
+    engine shared by both ranks, the first rank samples both shares and announces the second
+    rank's conversations to it as they end: each rank's scores still belong to its own."""
     root, recipe, overrides = served_world
-    runs = {overlap: _train(recipe, root / f"overlap_{overlap}", "train.steps=2",
-                            f"teacher.overlap={overlap}", *overrides)
+    name = "_".join(sampler[1:]).replace("rollout.vllm_tensor_parallel_size=", "tp")
+    runs = {overlap: _train(recipe, root / f"overlap_{overlap}{name}", "train.steps=2",
+                            f"teacher.overlap={overlap}", *overrides, *sampler)
             for overlap in ("true", "false")}
     for during, after in zip(runs["true"], runs["false"]):
         for key in ("loss", "kl_per_token", "grad_norm", "tokens", "target_tokens",

@@ -10,6 +10,7 @@ the whole group while the others mirror its engine calls, then each rank gets it
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import itertools
 import time
@@ -117,8 +118,8 @@ class VLLMSampler(Sampler):
         """This rank's trajectories: its own engine's, or, for a group of ranks sharing one
         tensor-parallel engine, its share of what the group's first rank sampled for all the
         group's prompts (with that rank's seed) while the others mirrored its engine calls.
-        In a group, the first rank hears of its own conversations as they finish and the
-        others of theirs once their share arrives."""
+        In a group, every rank hears of its own conversations as they finish: the first rank
+        directly, the others through its announcements."""
         group = self.group
         if group is None:
             return self._rollout(prompts, self.engine, seed, on_finished)
@@ -129,26 +130,27 @@ class VLLMSampler(Sampler):
         dist.gather_object(prompts, shares, dst=group.leader, group=group.group)
         if group.is_leader:
             assert shares is not None
-            own = len(prompts)  # the first rank's share comes first
+            # Group rank r's share comes r-th (the first rank's own first).
+            starts = [0, *itertools.accumulate(len(share) for share in shares)]
 
-            def own_finished(index: int, trajectory: AgentTrajectory) -> None:
-                if on_finished is not None and index < own:
+            def share_finished(index: int, trajectory: AgentTrajectory) -> None:
+                owner = bisect.bisect_right(starts, index) - 1
+                if owner:
+                    group.announce(owner, index - starts[owner], trajectory)
+                elif on_finished is not None:
                     on_finished(index, trajectory)
 
             try:
                 trajectories = self._rollout([record for share in shares for record in share],
-                                             group, seed, own_finished)
+                                             group, seed,
+                                             None if on_finished is None else share_finished)
             finally:
                 group.finish()
-            starts = [0, *itertools.accumulate(len(share) for share in shares)]
             shares = [trajectories[a:b] for a, b in zip(starts, starts[1:])]
         else:
-            group.follow()
+            group.follow(on_finished)
         mine: list = [None]
         dist.scatter_object_list(mine, shares, src=group.leader, group=group.group)
-        if on_finished is not None and not group.is_leader:
-            for index, trajectory in enumerate(mine[0]):
-                on_finished(index, trajectory)
         return mine[0]
 
     def metrics(self) -> dict:

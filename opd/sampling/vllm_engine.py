@@ -23,7 +23,8 @@ before any engine starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -189,6 +190,9 @@ class MirroredEngine:
     every call that changes the engine (submit, step, abort) to the other ranks, which make the
     same call on their shard (`follow`) until the leader says it is done (`finish`). So the
     group's schedule, per-conversation or rounds, may depend on tool timing on the leader alone.
+    The leader also tells the group when a conversation of another rank's share is final
+    (`announce`), so that rank hears of it (`follow(on_finished)`) while the rollout goes on, as
+    the leader hears of its own: a served teacher scores every rank's conversations as they end.
     """
 
     def __init__(self, engine: VLLMEngine, group, leader: int, is_leader: bool):
@@ -215,17 +219,28 @@ class MirroredEngine:
         self._send("abort")
         self.engine.abort()
 
+    def announce(self, owner: int, index: int, trajectory) -> None:
+        """Conversation `index` of group rank `owner`'s share is final."""
+        self._send("finished", owner, index, trajectory)
+
     def finish(self) -> None:
         self._send("done")
 
-    def follow(self) -> None:
-        """Another rank of the group: repeat the leader's calls until it is done."""
+    def follow(self, on_finished: Callable[[int, Any], None] | None = None) -> None:
+        """Another rank of the group: repeat the leader's calls until it is done, and pass the
+        conversations of this rank's share to `on_finished` as the leader announces them."""
         import torch.distributed as dist
 
+        rank = dist.get_rank(self.group)
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=self.leader, group=self.group)
             name, *args = box[0]
             if name == "done":
                 return
+            if name == "finished":
+                owner, index, trajectory = args
+                if owner == rank and on_finished is not None:
+                    on_finished(index, trajectory)
+                continue
             getattr(self.engine, name)(*args)
