@@ -180,6 +180,10 @@ CHECKED_CONFIG = replace(CONFIRM_CONFIG, checked=True)
 # world's student: 100 among 2,000 gave 0.013, 300 among 2,000 0.24).
 CHECKED_PRIOR_CONFIG = replace(CHECKED_CONFIG, student_recovery_demos=400,
                                student_recovery_steps=200)
+# The same with a shorter clean warm start (2,000 steps instead of 5,000): a student that slips
+# more often, the regime where the second build (warm student 0.302) had on-policy
+# distillation level with KD.
+CHECKED_PRIOR_WEAK_CONFIG = replace(CHECKED_PRIOR_CONFIG, student_steps=2000)
 # The named worlds: `python -m worlds.toolcalc.prepare --<name>` and bench/recovery_token.py.
 NAMED_CONFIGS = {"main": (MAIN_CONFIG, "the default recipe's world (1,000 warm steps, 400 "
                                         "held-out tasks)"),
@@ -189,7 +193,9 @@ NAMED_CONFIGS = {"main": (MAIN_CONFIG, "the default recipe's world (1,000 warm s
                  "checked": (CHECKED_CONFIG, "the chain world with confirm and an environment "
                                              "that knows the calls"),
                  "checked_prior": (CHECKED_PRIOR_CONFIG, "the checked world whose student knows "
-                                                         "the recovery exists")}
+                                                         "the recovery exists"),
+                 "checked_prior_weak": (CHECKED_PRIOR_WEAK_CONFIG, "the checked-prior world with "
+                                                                   "a 2,000-step warm start")}
 # The worlds that ship one build's models (the module docstring); the default recipe's and the
 # checked-prior study world.
 SHIPPED_WORLDS = ("main", "checked_prior")
@@ -368,6 +374,9 @@ prepare_checked_prior = _shipped_step("checked_prior", "The checked world whose 
                                                       "with recipes/toolcalc_confirm.yaml.")
 build_checked_prior = _prepare_step(CHECKED_PRIOR_CONFIG, "prepare_checked_prior, trained on "
                                                           "this machine instead of shipped.")
+prepare_checked_prior_weak = _prepare_step(CHECKED_PRIOR_WEAK_CONFIG, "The checked-prior world "
+                                                                    "with a 2,000-step warm "
+                                                                    "start, trained here.")
 prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 prepare_main = _shipped_step("main", "The default recipe's world, its shipped build: 1,000 warm "
