@@ -306,13 +306,19 @@ def _unpack_shipped(cfg: PrepareConfig, name: str, shipped: Path, out: Prepared)
                                  f"this checkout generates; ship a new build with `python "
                                  f"-m worlds.toolcalc.prepare --{name} --ship`.")
     tokenizer = load_tokenizer(out.tokenizer)
+    _copy_models(shipped, out.root)
     for role in ("teacher", "student"):
-        (out.root / role).mkdir()
-        for file_name in SHIPPED_MODEL_FILES:
-            shutil.copy(shipped / role / file_name, out.root / role / file_name)
         tokenizer.save_pretrained(out.root / role)
     report["shipped"] = str(shipped)
     (out.root / cache.MARKER).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _copy_models(source: Path, to: Path) -> None:
+    """The teacher's and student's weights and configs (not their tokenizer files)."""
+    for role in ("teacher", "student"):
+        (to / role).mkdir(parents=True)
+        for file_name in SHIPPED_MODEL_FILES:
+            shutil.copy(source / role / file_name, to / role / file_name)
 
 
 def data_digests(world: Prepared) -> dict[str, str]:
@@ -332,28 +338,19 @@ def ship(name: str, world: Prepared, to: Path | None = None) -> Path:
                          f"config differs from {name}'s).")
     to = to or SHIPPED_DIR / name
     shutil.rmtree(to, ignore_errors=True)
-    for role in ("teacher", "student"):
-        (to / role).mkdir(parents=True)
-        for file_name in SHIPPED_MODEL_FILES:
-            shutil.copy(world.root / role / file_name, to / role / file_name)
+    _copy_models(world.root, to)
     report = {**world.report, "data": data_digests(world)}
     (to / cache.MARKER).write_text(json.dumps(report, indent=2) + "\n")
     return to
 
 
-def _prepare_step(cfg: PrepareConfig, doc: str) -> Callable[..., Prepared | None]:
+def _step(world: PrepareConfig | str, doc: str) -> Callable[..., Prepared | None]:
+    """A recipe's prepare step: the config's build, or the named world's shipped build."""
     def prepare_step(root: str | Path | None = None, *, force: bool = False,
                      build: bool = True) -> Prepared | None:
-        return prepare(cfg, root, force=force, build=build)
-
-    prepare_step.__doc__ = doc
-    return prepare_step
-
-
-def _shipped_step(name: str, doc: str) -> Callable[..., Prepared | None]:
-    def prepare_step(root: str | Path | None = None, *, force: bool = False,
-                     build: bool = True) -> Prepared | None:
-        return prepare_shipped(name, root, force=force, build=build)
+        if isinstance(world, str):
+            return prepare_shipped(world, root, force=force, build=build)
+        return prepare(world, root, force=force, build=build)
 
     prepare_step.__doc__ = doc
     return prepare_step
@@ -361,27 +358,27 @@ def _shipped_step(name: str, doc: str) -> Callable[..., Prepared | None]:
 
 # Recipe prepare steps for the other worlds: the default recipe with
 # `prepare=worlds.toolcalc.prepare:<name>`.
-prepare_hard = _prepare_step(HARD_CONFIG, "The harder world (HARD_CONFIG); with "
+prepare_hard = _step(HARD_CONFIG, "The harder world (HARD_CONFIG); with "
                                           "rollout.max_turns=4.")
-prepare_chain = _prepare_step(CHAIN_CONFIG, "The chain world (worlds.toolcalc.chain); with "
+prepare_chain = _step(CHAIN_CONFIG, "The chain world (worlds.toolcalc.chain); with "
                                             "its recipe, recipes/toolcalc_chain.yaml.")
-prepare_confirm = _prepare_step(CONFIRM_CONFIG, "The chain world with its confirm tool; with "
+prepare_confirm = _step(CONFIRM_CONFIG, "The chain world with its confirm tool; with "
                                                 "recipes/toolcalc_confirm.yaml.")
-prepare_checked = _prepare_step(CHECKED_CONFIG, "The checked chain world; with "
+prepare_checked = _step(CHECKED_CONFIG, "The checked chain world; with "
                                                 "recipes/toolcalc_confirm.yaml.")
-prepare_checked_prior = _shipped_step("checked_prior", "The checked world whose student knows "
+prepare_checked_prior = _step("checked_prior", "The checked world whose student knows "
                                                       "the recovery exists, its shipped build; "
                                                       "with recipes/toolcalc_confirm.yaml.")
-build_checked_prior = _prepare_step(CHECKED_PRIOR_CONFIG, "prepare_checked_prior, trained on "
+build_checked_prior = _step(CHECKED_PRIOR_CONFIG, "prepare_checked_prior, trained on "
                                                           "this machine instead of shipped.")
-prepare_checked_prior_weak = _prepare_step(CHECKED_PRIOR_WEAK_CONFIG, "The checked-prior world "
+prepare_checked_prior_weak = _step(CHECKED_PRIOR_WEAK_CONFIG, "The checked-prior world "
                                                                     "with a 2,000-step warm "
                                                                     "start, trained here.")
-prepare_weak_start = _prepare_step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
-prepare_start_1000 = _prepare_step(START_1000_CONFIG, "The world with 1,000 warm steps.")
-prepare_main = _shipped_step("main", "The default recipe's world, its shipped build: 1,000 warm "
+prepare_weak_start = _step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
+prepare_start_1000 = _step(START_1000_CONFIG, "The world with 1,000 warm steps.")
+prepare_main = _step("main", "The default recipe's world, its shipped build: 1,000 warm "
                                      "steps, 400 held-out tasks.")
-build_main = _prepare_step(MAIN_CONFIG, "prepare_main, trained on this machine instead of "
+build_main = _step(MAIN_CONFIG, "prepare_main, trained on this machine instead of "
                                         "shipped.")
 
 
