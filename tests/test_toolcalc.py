@@ -253,7 +253,7 @@ def test_cache_key_follows_the_parameters():
     assert cache_key(TEST_CONFIG) != cache_key(replace(TEST_CONFIG, teacher_steps=4))
 
 
-@pytest.mark.parametrize("name", ["main", "checked_prior"])
+@pytest.mark.parametrize("name", ["main", "checked_prior", "checked_prior_weak"])
 def test_a_shipped_world_unpacks_the_models_it_was_trained_with_and_they_still_solve_it(
         tmp_path, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer

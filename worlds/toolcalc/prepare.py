@@ -18,9 +18,9 @@ differences of the kernels compound over thousands of SFT steps; the default wor
 out 0.907 on one machine and 0.965 on another from the same code and seed). The worlds in
 `SHIPPED_WORLDS` ship one build's teacher and warm student in worlds/toolcalc/shipped/<name>/
 (`python -m worlds.toolcalc.prepare --<name> --ship` writes it), and their recipe steps
-(`prepare_main`, `prepare_checked_prior`) generate the data, which is the same everywhere, and
-copy the shipped models: every machine starts from the same world in seconds. `build_<name>`
-trains the world on this machine instead.
+(`prepare_main`, `prepare_checked_prior`, `prepare_checked_prior_weak`) generate the data, which
+is the same everywhere, and copy the shipped models: every machine starts from the same world in
+seconds. `build_<name>` trains the world on this machine instead.
 
 The teacher is judged by greedy held-out success (the eval default); its sampled (temperature 1)
 success, which is what OPD's teacher scores alongside, is recorded too.
@@ -197,8 +197,8 @@ NAMED_CONFIGS = {"main": (MAIN_CONFIG, "the default recipe's world (1,000 warm s
                  "checked_prior_weak": (CHECKED_PRIOR_WEAK_CONFIG, "the checked-prior world with "
                                                                    "a 2,000-step warm start")}
 # The worlds that ship one build's models (the module docstring); the default recipe's and the
-# checked-prior study world.
-SHIPPED_WORLDS = ("main", "checked_prior")
+# checked-prior study worlds.
+SHIPPED_WORLDS = ("main", "checked_prior", "checked_prior_weak")
 SHIPPED_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 TEST_CONFIG = PrepareConfig(
     train_tasks=64, heldout_tasks=8, prompt_tasks=8, teacher=TEST_SHAPE, student=TEST_SHAPE,
@@ -371,9 +371,11 @@ prepare_checked_prior = _step("checked_prior", "The checked world whose student 
                                                       "with recipes/toolcalc_confirm.yaml.")
 build_checked_prior = _step(CHECKED_PRIOR_CONFIG, "prepare_checked_prior, trained on "
                                                           "this machine instead of shipped.")
-prepare_checked_prior_weak = _step(CHECKED_PRIOR_WEAK_CONFIG, "The checked-prior world "
-                                                                    "with a 2,000-step warm "
-                                                                    "start, trained here.")
+prepare_checked_prior_weak = _step("checked_prior_weak", "The checked-prior world with a "
+                                                        "2,000-step warm start, its shipped "
+                                                        "build.")
+build_checked_prior_weak = _step(CHECKED_PRIOR_WEAK_CONFIG, "prepare_checked_prior_weak, "
+                                                            "trained on this machine.")
 prepare_weak_start = _step(WEAK_START_CONFIG, "The first study's world: 600 warm steps.")
 prepare_start_1000 = _step(START_1000_CONFIG, "The world with 1,000 warm steps.")
 prepare_main = _step("main", "The default recipe's world, its shipped build: 1,000 warm "
