@@ -83,7 +83,7 @@ def report(out: Path) -> None:
             f"{statistics.mean(r['student_tokens_trained'] for r in runs):,.0f} | "
             f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
             f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
-    lines += _group_table(by_method, references) + _targets(by_method)
+    lines += _group_table(by_method, references) + _targets(out, by_method, references)
     lines += _on_policy_table(out, by_method)
     (out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -106,10 +106,10 @@ def _group_table(by_method: dict[str, list[dict]], references: dict) -> list[str
     return lines
 
 
-def _targets(by_method: dict[str, list[dict]]) -> list[str]:
+def _targets(out: Path, by_method: dict[str, list[dict]], references: dict) -> list[str]:
     """The issue's two targets, read off the results: best OPD against the best teacher-only
     off-policy method (in SEs of the difference), and OPD's student episodes to reach RL's final
-    validation success."""
+    validation success (the warm student's validation success is the curves' point at 0)."""
     def best(names: tuple[str, ...]) -> str | None:
         present = [n for n in names if n in by_method]
         return max(present, key=lambda n: success_se(by_method[n])[0]) if present else None
@@ -126,12 +126,19 @@ def _targets(by_method: dict[str, list[dict]]) -> list[str]:
         rl_final = statistics.mean(r["samples_curve"][-1][1] for r in by_method[RL]
                                    if r.get("samples_curve"))
         rl_episodes = statistics.mean(r["student_episodes"] for r in by_method[RL])
-        reached = _episodes_to_reach(by_method[opd], rl_final)
-        lines.append(
-            f"- RL's final validation success {rl_final:.3f} after {rl_episodes:,.0f} student "
-            "episodes; " + (f"{opd} reaches it after {reached:,.0f} "
+        start = references["student"]["validation"]["success_rate"]
+        line = (f"- RL's final validation success {rl_final:.3f} after {rl_episodes:,.0f} "
+                f"student episodes")
+        if rl_final <= start:
+            # Reaching the start is no achievement: say RL did not learn instead of a ratio.
+            line += (f" is no better than the warm student's {start:.3f}: RL did not learn, so "
+                     "the samples target cannot be read off this study.")
+        else:
+            reached = _episodes_to_reach(by_method[opd], rl_final)
+            line += "; " + (f"{opd} reaches it after {reached:,.0f} "
                             f"({rl_episodes / reached:.1f}x fewer; target: at least 5x)."
-                            if reached else f"{opd} never reaches it in its run."))
+                            if reached else f"{opd} never reaches it in its run.")
+        lines.append(line + _reward_signal(out, by_method[RL]))
     return lines
 
 
@@ -144,6 +151,17 @@ def _episodes_to_reach(runs: list[dict], level: float) -> float | None:
         if statistics.mean(p[1] for p in points) >= level:
             return statistics.mean(p[0] for p in points)
     return None
+
+
+def _reward_signal(out: Path, runs: list[dict]) -> str:
+    """How often RL's groups carried any signal: a step whose groups all got the same reward
+    has zero advantage everywhere, so RL takes no gradient from it."""
+    paths = [out / "runs" / f"{RL}-seed{run['seed']}" / "metrics.jsonl" for run in runs]
+    steps = [r for path in paths for r in _read_metrics(path) if "advantage_std" in r]
+    if not steps:
+        return ""
+    signal = sum(r["advantage_std"] > 0 for r in steps) / len(steps)
+    return f" Steps with any reward signal (advantage std > 0): {signal:.0%}."
 
 
 def _on_policy_table(out: Path, by_method: dict[str, list[dict]]) -> list[str]:
@@ -166,9 +184,7 @@ def _on_policy_table(out: Path, by_method: dict[str, list[dict]]) -> list[str]:
 def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | None:
     """(bad calls per conversation, truncation rate) of the on-policy steps among the first and
     the last `window` steps: (bad first, bad last, truncated first, truncated last)."""
-    if not metrics.is_file():
-        return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = _read_metrics(metrics)
     first = [r for r in records[:window] if not r["off_policy"]]
     last = [r for r in records[-window:] if not r["off_policy"]]
     if not first or not last:
@@ -182,6 +198,13 @@ def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | Non
         return statistics.mean(r["truncation_rate"] for r in steps)
 
     return bad(first), bad(last), truncated(first), truncated(last)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl records ([] where the run left none)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None:

@@ -1,0 +1,81 @@
+"""bench/quality_report.py: the targets a study prints are read off its results honestly."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def quality_report():
+    spec = importlib.util.spec_from_file_location("quality_report", BENCH / "quality_report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality_report"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["quality_report"]
+
+
+def result(method: str, seed: int, heldout: float, curve: list[tuple[int, float]],
+           episodes_per_step: int) -> dict:
+    return {
+        "method": method, "seed": seed, "steps": 200, "heldout_success": heldout,
+        "heldout": {"num_tasks": 400}, "heldout_truncation_rate": 0.0,
+        "heldout_per_group": {}, "student_tokens_trained": 1, "teacher_tokens_scored": 1,
+        "wall_s": 1.0, "student_episodes": 200 * episodes_per_step,
+        "validation_curve": curve,
+        "samples_curve": [(step * episodes_per_step, rate) for step, rate in curve],
+        "references": {name: {"heldout": {"num_tasks": 400, "success_rate": rate,
+                                          "truncation_rate": 0.0, "per_group": {}},
+                              "validation": {"success_rate": rate}}
+                       for name, rate in (("teacher", 0.99), ("student", 0.05))}}
+
+
+def write_study(out: Path, rl_curve: list[tuple[int, float]], rl_advantage_std: float) -> None:
+    results = []
+    for seed in range(3):
+        results += [
+            result("kd_teacher", seed, 0.10 + 0.005 * seed, [(50, 0.08), (200, 0.1)], 0),
+            result("opd_hybrid_kl", seed, 0.15 + 0.005 * seed,
+                   [(10, 0.04), (20, 0.09), (50, 0.12), (200, 0.15)], 32),
+            result("rl", seed, 0.05, rl_curve, 32)]
+        run = out / "runs" / f"rl-seed{seed}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": step, "advantage_std": rl_advantage_std if step % 4 else 0.0,
+                        "off_policy": False, "invalid_tool_calls": 0, "failed_tool_calls": 0,
+                        "conversations": 32, "truncation_rate": 0.0}) + "\n"
+            for step in range(1, 201)))
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+
+
+def targets(out: Path) -> list[str]:
+    text = (out / "quality.md").read_text()
+    return text.split("Targets:\n\n")[1].split("\n\n")[0].splitlines()
+
+
+def test_the_report_reads_the_margin_and_the_episodes_opd_needs_to_reach_rl(
+        tmp_path, quality_report):
+    write_study(tmp_path, [(50, 0.06), (200, 0.09)], rl_advantage_std=0.5)
+    quality_report.report(tmp_path)
+    margin, samples = targets(tmp_path)
+    assert margin.startswith("- best OPD (opd_hybrid_kl) 0.155 against the best teacher-data "
+                             "off-policy method (kd_teacher) 0.105: difference +0.050")
+    # RL ends at 0.09 after 6,400 episodes; hybrid_kl's curve first reaches it at step 20.
+    assert samples == ("- RL's final validation success 0.090 after 6,400 student episodes; "
+                       "opd_hybrid_kl reaches it after 640 (10.0x fewer; target: at least 5x). "
+                       "Steps with any reward signal (advantage std > 0): 75%.")
+
+
+def test_an_rl_arm_that_never_leaves_the_start_is_reported_as_not_learning(
+        tmp_path, quality_report):
+    write_study(tmp_path, [(50, 0.05), (200, 0.04)], rl_advantage_std=0.0)
+    quality_report.report(tmp_path)
+    samples = targets(tmp_path)[1]
+    assert "is no better than the warm student's 0.050: RL did not learn" in samples
+    assert "fewer" not in samples and "(advantage std > 0): 0%." in samples
