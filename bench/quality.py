@@ -1,7 +1,8 @@
 """Quality study: does on-policy distillation beat the cheaper things a user tries?
 
     python bench/quality.py [--methods all] [--seeds 0,1,2] [--steps 300] [--eval-every 50]
-                            [--jobs 2] [--out runs/quality] [section.key=value ...]
+                            [--lrs 2e-3,4e-3,8e-3] [--jobs 2] [--out runs/quality]
+                            [section.key=value ...]
     python bench/quality.py --report-only [--out runs/quality]
 
 The chain world (worlds/toolcalc/chain.py: long dependent chains, informative rejections, a
@@ -54,6 +55,13 @@ are dropped (counts in `teacher_conversations_seed<S>.json`).
 Hyperparameters are never chosen on the held-out tasks: the curve of success against steps is
 measured on a validation split of freshly generated toolcalc tasks (disjoint from held-out,
 training and prompt tasks), and held-out greedy success is measured once, on the final student.
+
+Learning rates picked on validation: `--lrs 2e-3,4e-3,8e-3` first runs every method at each
+rate with the first seed and measures each final student on a selection split (`--select-tasks`
+more new tasks, disjoint from everything above); each method's rate is the one whose student did
+best there (the first listed on a tie), written to `selected_lr.json`, and the other seeds run at
+it. The report's tables count only the picked rate's runs and list the sweep. Methods run
+without `--lrs` keep their own rate (the recipe's, or the method's above).
 
 Writes under --out: `results.jsonl` (one line per method and seed; rerunning skips pairs already
 there), `quality.md` (the tables and the targets, bench/quality_report.py), `quality.png`
@@ -139,6 +147,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps between validation evals (0: none)")
     parser.add_argument("--val-tasks", type=int, default=100, help="validation split size")
+    parser.add_argument("--lrs", help="comma-separated learning rates to pick each method's "
+                                      "from, on the selection split (first seed)")
+    parser.add_argument("--select-tasks", type=int, default=400,
+                        help="selection split size (with --lrs)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, one thread each (each run's wall s then "
                              "counts the others' load)")
@@ -180,54 +192,90 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or config.train.steps
     validation = write_validation_split(config, out, args.val_tasks)
     references = reference_rows(config, plugins, out, validation)
-    done = {(r["method"], r["seed"]) for r in read_results(out)}
-    todo = [(method, seed) for seed in seeds for method in methods if (method, seed) not in done]
+    lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else [None]
+    selection = write_validation_split(config, out, args.select_tasks, validation) \
+        if args.lrs else None
+    # With --lrs: every rate at the first seed, then the other seeds at each method's pick.
+    sweep = [(method, seeds[0], lr) for method in methods for lr in lrs]
+    rest = [(method, seed) for seed in seeds[1:] for method in methods]
     # Sampled from the teacher once per seed, before any run that trains on them starts.
     teacher_data = {seed: teacher_conversations(config, plugins, out, seed)
-                    for seed in sorted({seed for method, seed in todo
+                    for seed in sorted({seed for method, seed in [*sweep, *rest]
                                         if any(TEACHER_CONVERSATIONS in o
                                                for o in METHODS[method])})}
     written = threading.Lock()
 
-    def one(method: str, seed: int) -> None:
-        result = run_method(args, config, plugins, out, method, seed, steps, validation,
-                            teacher_data.get(seed))
-        result["references"] = references
-        with written, (out / "results.jsonl").open("a") as results:
-            results.write(json.dumps(result) + "\n")
-        print(json.dumps({k: result[k] for k in ("method", "seed", "heldout_success",
-                                                  "wall_s")}), flush=True)
+    def one(method: str, seed: int, lr: float | None) -> None:
+        if not done(out, method, seed, lr):
+            result = run_method(args, config, plugins, out, method, seed, lr, steps,
+                                validation, teacher_data.get(seed))
+            result["references"] = references
+            if selection is not None and seed == seeds[0]:  # what the pick reads
+                final = out / "runs" / result["run"] / "final"
+                result["selection_success"] = evaluate_on(config, plugins, final,
+                                                          selection)["success_rate"]
+            with written, (out / "results.jsonl").open("a") as results:
+                results.write(json.dumps(result) + "\n")
+            print(json.dumps({k: result.get(k) for k in ("method", "seed", "lr",
+                                                         "selection_success", "heldout_success",
+                                                         "wall_s")}), flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        for future in [pool.submit(one, method, seed) for method, seed in todo]:
+        for future in [pool.submit(one, *run) for run in sweep]:
+            future.result()
+        picked = pick_lrs(out, methods, seeds[0], lrs)
+        for future in [pool.submit(one, method, seed, picked[method]) for method, seed in rest]:
             future.result()
     report(out)
 
 
-def write_validation_split(config, out: Path, count: int) -> Path:
+def done(out: Path, method: str, seed: int, lr: float | None) -> bool:
+    return any((r["method"], r["seed"], r.get("lr")) == (method, seed, lr)
+               for r in read_results(out))
+
+
+def pick_lrs(out: Path, methods: list[str], seed: int, lrs: list) -> dict:
+    """Each method's learning rate: the only one, or the swept one whose first-seed student did
+    best on the selection split (recorded in selected_lr.json with the scores)."""
+    if lrs == [None]:
+        return dict.fromkeys(methods)
+    scores = {(r["method"], r["lr"]): r["selection_success"] for r in read_results(out)
+              if r["seed"] == seed and r.get("selection_success") is not None}
+    path = out / "selected_lr.json"
+    selected = json.loads(path.read_text()) if path.is_file() else {}
+    for method in methods:
+        swept = {lr: scores[method, lr] for lr in lrs}
+        selected[method] = {"lr": max(swept, key=lambda lr: swept[lr]),
+                            "selection_success": {str(lr): score for lr, score in swept.items()}}
+    path.write_text(json.dumps(selected, indent=2) + "\n")
+    return {method: selected[method]["lr"] for method in methods}
+
+
+def write_validation_split(config, out: Path, count: int, besides: Path | None = None) -> Path:
     """`count` new tasks of the prepared world, none of them a held-out, training or prompt
-    question."""
+    question; `besides` (the validation split) given, the selection split, none of those either."""
     from opd.data import load_jsonl, write_jsonl
     from worlds.toolcalc.chain import chain_record, generate_chain_tasks
     from worlds.toolcalc.tasks import generate_tasks, task_record
 
-    path = out / f"validation_{count}.jsonl"
+    path = out / f"{'selection' if besides else 'validation'}_{count}.jsonl"
+    seed = VALIDATION_SEED + (besides is not None)
     if not path.is_file():
         root = Path(config.model.student).parent
         seen = frozenset(record["messages"][0]["content"]
                          for data in (config.data.eval, config.data.prompts,
-                                      root / "data" / "train.jsonl")
+                                      root / "data" / "train.jsonl", *filter(None, [besides]))
                          for record in load_jsonl(data))
         world = json.loads((root / "prepare.json").read_text())["config"]
         if world.get("world") == "chain":
             records = [chain_record(task, world.get("confirm", False),
                                     world.get("checked", False)) for task in
-                       generate_chain_tasks(count, VALIDATION_SEED, exclude=seen)]
+                       generate_chain_tasks(count, seed, exclude=seen)]
         else:  # the prepared world's families (the harder world adds three_hop)
             families = {"families": tuple(world["families"]),
                         "weights": tuple(world["family_weights"])}
             records = [task_record(task) for task in
-                       generate_tasks(count, VALIDATION_SEED, exclude=seen, **families)]
+                       generate_tasks(count, seed, exclude=seen, **families)]
         write_jsonl(path, records)
     return path
 
@@ -320,12 +368,14 @@ def conversation_messages(chat, prompt: dict, trajectory) -> list[dict]:
     return messages
 
 
-def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: int,
-               validation: Path, teacher_data: Path | None) -> dict:
-    """One training run through launch/train.py, then the final student on held-out tasks."""
+def run_method(args, config, plugins, out: Path, method: str, seed: int, lr: float | None,
+               steps: int, validation: Path, teacher_data: Path | None) -> dict:
+    """One training run through launch/train.py (at `lr`, or the method's own rate), then the
+    final student on held-out tasks."""
     from opd.metrics import read_metrics
 
-    run_dir = out / "runs" / f"{method}-seed{seed}"
+    run_dir = out / "runs" / (f"{method}-seed{seed}" if lr is None else
+                              f"{method}-lr{lr:g}-seed{seed}")
     group_prompts = str(max(1, config.train.prompts_per_step // SAMPLES_PER_PROMPT))
     overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
                  .replace(GROUP_PROMPTS, group_prompts)
@@ -337,6 +387,7 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         "checkpoint.every=0", "checkpoint.resume=never",
         f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
         "eval.baseline=none", "eval.teacher=false", *args.overrides,
+        *([] if lr is None else [f"optim.lr={lr}"]),
         # After the user's overrides: one naming data.eval (a world's held-out file) sets what
         # the final student is measured on, never the curve's tasks.
         f"data.eval={validation}"]
@@ -357,7 +408,8 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, steps: 
         if "eval_success_rate" in r:
             samples_curve.append((episodes, r["eval_success_rate"]))
     return {
-        "method": method, "seed": seed, "steps": steps, "overrides": overrides,
+        "method": method, "seed": seed, "lr": lr, "steps": steps, "overrides": overrides,
+        "run": run_dir.name,
         "heldout_success": heldout["success_rate"],
         "heldout_tool_call_validity": heldout["tool_call_validity"],
         "heldout_truncation_rate": heldout["truncation_rate"],

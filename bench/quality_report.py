@@ -31,6 +31,20 @@ def read_results(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_dir(out: Path, result: dict) -> Path:
+    """A result's run directory (results from before learning-rate sweeps name no `run`)."""
+    return out / "runs" / result.get("run", f"{result['method']}-seed{result['seed']}")
+
+
+def counted(out: Path, results: list[dict]) -> list[dict]:
+    """The results the tables count: of a method whose learning rate was swept, only the runs
+    at its picked rate (selected_lr.json)."""
+    path = out / "selected_lr.json"
+    selected = json.loads(path.read_text()) if path.is_file() else {}
+    return [r for r in results
+            if r["method"] not in selected or r.get("lr") == selected[r["method"]]["lr"]]
+
+
 def success_se(runs: list[dict]) -> tuple[float, float]:
     """(mean held-out success over seeds, its standard error; see the module docstring)."""
     rates = [r["heldout_success"] for r in runs]
@@ -56,7 +70,7 @@ def report(out: Path) -> None:
     if not results:
         sys.exit(f"error: {out / 'results.jsonl'} holds no results yet.")
     by_method: dict[str, list[dict]] = {}
-    for result in results:
+    for result in counted(out, results):
         by_method.setdefault(result["method"], []).append(result)
     references = results[-1]["references"]
     lines = [
@@ -84,6 +98,7 @@ def report(out: Path) -> None:
             f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
             f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
     lines += _group_table(by_method, references) + _targets(out, by_method, references)
+    lines += _sweep_table(out)
     lines += _on_policy_table(out, by_method)
     (out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -142,6 +157,24 @@ def _targets(out: Path, by_method: dict[str, list[dict]], references: dict) -> l
     return lines
 
 
+def _sweep_table(out: Path) -> list[str]:
+    path = out / "selected_lr.json"
+    if not path.is_file():
+        return []
+    selected = json.loads(path.read_text())
+    lrs = sorted({lr for pick in selected.values() for lr in pick["selection_success"]},
+                 key=float)
+    lines = ["", "Learning rates: each method's first-seed student on the selection split "
+             "(greedy success), the picked rate in bold:", "",
+             "| method | " + " | ".join(lrs) + " |", "|---|" + "---|" * len(lrs)]
+    for method, pick in selected.items():
+        cells = [pick["selection_success"].get(lr) for lr in lrs]
+        lines.append(f"| {method} | " + " | ".join(
+            "" if score is None else f"**{score:.3f}**" if float(lr) == pick["lr"]
+            else f"{score:.3f}" for lr, score in zip(lrs, cells)) + " |")
+    return lines
+
+
 def _episodes_to_reach(runs: list[dict], level: float) -> float | None:
     """The first evaluated point of the seeds' mean validation curve at or above `level`."""
     curves = [r["samples_curve"] for r in runs if r.get("samples_curve")]
@@ -156,7 +189,7 @@ def _episodes_to_reach(runs: list[dict], level: float) -> float | None:
 def _reward_signal(out: Path, runs: list[dict]) -> str:
     """How often RL's groups carried any signal: a step whose groups all got the same reward
     has zero advantage everywhere, so RL takes no gradient from it."""
-    paths = [out / "runs" / f"{RL}-seed{run['seed']}" / "metrics.jsonl" for run in runs]
+    paths = [run_dir(out, run) / "metrics.jsonl" for run in runs]
     steps = [r for path in paths for r in _read_metrics(path) if "advantage_std" in r]
     if not steps:
         return ""
@@ -172,8 +205,7 @@ def _on_policy_table(out: Path, by_method: dict[str, list[dict]]) -> list[str]:
              "| method | runs | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
              "last 50 |", "|---|---|---|---|---|---|"]
     for method, runs in by_method.items():
-        phases = [on_policy_errors(out / "runs" / f"{method}-seed{r['seed']}" / "metrics.jsonl")
-                  for r in runs]
+        phases = [on_policy_errors(run_dir(out, r) / "metrics.jsonl") for r in runs]
         measured = [phase for phase in phases if phase is not None]
         if measured:
             lines.append(f"| {method} | {len(measured)} | " + " | ".join(

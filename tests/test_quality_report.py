@@ -79,3 +79,32 @@ def test_an_rl_arm_that_never_leaves_the_start_is_reported_as_not_learning(
     samples = targets(tmp_path)[1]
     assert "is no better than the warm student's 0.050: RL did not learn" in samples
     assert "fewer" not in samples and "(advantage std > 0): 0%." in samples
+
+
+def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
+        tmp_path, quality_report, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # bench/quality.py imports quality_report
+    spec = importlib.util.spec_from_file_location("quality", BENCH / "quality.py")
+    assert spec is not None and spec.loader is not None
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+
+    rows = []
+    for lr, selection, heldout in ((2e-3, 0.10, 0.30), (8e-3, 0.20, 0.12), (1.6e-2, 0.20, 0.5)):
+        row = result("kd_teacher", 0, heldout, [(200, 0.1)], 0)
+        rows.append(dict(row, lr=lr, selection_success=selection,
+                         run=f"kd_teacher-lr{lr:g}-seed0"))
+    rows += [dict(result("kd_teacher", seed, 0.14, [(200, 0.1)], 0), lr=lr)
+             for seed in (1, 2) for lr in (8e-3, 2e-3)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # The best selection score wins, the first listed on a tie; held-out never enters.
+    assert quality.pick_lrs(tmp_path, ["kd_teacher"], 0, [2e-3, 8e-3, 1.6e-2]) == \
+        {"kd_teacher": 8e-3}
+    assert quality.done(tmp_path, "kd_teacher", 1, 8e-3)
+    assert not quality.done(tmp_path, "kd_teacher", 1, 1.6e-2)
+    quality_report.report(tmp_path)
+    text = (tmp_path / "quality.md").read_text()
+    # Three seeds at 8e-3 (0.12, 0.14, 0.14), none of the other rates' runs.
+    assert "| kd_teacher | 3 | 0.133 ± " in text
+    assert "| kd_teacher | 0.100 | **0.200** | 0.200 |" in text
