@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     rest = [(method, seed) for seed in seeds[1:] for method in methods]
     # Sampled from the teacher once per seed, before any run that trains on them starts.
     teacher_data = {seed: teacher_conversations(config, plugins, out, seed)
-                    for seed in sorted({seed for method, seed in [*sweep, *rest]
+                    for seed in sorted({seed for method, seed, *_ in [*sweep, *rest]
                                         if any(TEACHER_CONVERSATIONS in o
                                                for o in METHODS[method])})}
     written = threading.Lock()
