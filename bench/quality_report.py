@@ -141,15 +141,20 @@ def _targets(out: Path, by_method: dict[str, list[dict]], references: dict) -> l
         rl_final = statistics.mean(r["samples_curve"][-1][1] for r in by_method[RL]
                                    if r.get("samples_curve"))
         rl_episodes = statistics.mean(r["student_episodes"] for r in by_method[RL])
-        start = references["student"]["validation"]["success_rate"]
+        validation = references["student"]["validation"]
+        start, tasks = validation["success_rate"], validation["num_tasks"]
+        # Two binomial SEs of the difference between the start and RL's mean over its seeds.
+        noise = 2 * math.sqrt(start * (1 - start) / tasks
+                              + rl_final * (1 - rl_final) / (tasks * len(by_method[RL])))
+        reached = _episodes_to_reach(by_method[opd], rl_final)
         line = (f"- RL's final validation success {rl_final:.3f} after {rl_episodes:,.0f} "
                 f"student episodes")
-        if rl_final <= start:
+        if rl_final - start <= noise:
             # Reaching the start is no achievement: say RL did not learn instead of a ratio.
-            line += (f" is no better than the warm student's {start:.3f}: RL did not learn, so "
-                     "the samples target cannot be read off this study.")
+            line += (f" is within two standard errors of the warm student's {start:.3f}: RL "
+                     "did not learn, so the samples target cannot be read off this study")
+            line += f" ({opd} passes it after {reached:,.0f})." if reached else "."
         else:
-            reached = _episodes_to_reach(by_method[opd], rl_final)
             line += "; " + (f"{opd} reaches it after {reached:,.0f} "
                             f"({rl_episodes / reached:.1f}x fewer; target: at least 5x)."
                             if reached else f"{opd} never reaches it in its run.")
