@@ -238,10 +238,10 @@ def on_policy_errors(metrics: Path, window: int = 50) -> tuple[float, ...] | Non
 
 
 def _read_metrics(path: Path) -> list[dict]:
-    """A run's metrics.jsonl records ([] where the run left none)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's step records, or [] where the run left no metrics file."""
+    from opd.metrics import read_metrics
+
+    return read_metrics(path) if path.is_file() else []
 
 
 def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None:
