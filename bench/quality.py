@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -134,7 +133,6 @@ METHODS = {
 }
 # Seeds of generate_tasks that prepare does not use (it uses seed + 1..3 with seed 0).
 VALIDATION_SEED = 1000
-TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -306,66 +304,15 @@ def reference_rows(config, plugins, out: Path, validation: Path) -> dict:
 
 
 def teacher_conversations(config, plugins, out: Path, seed: int) -> Path:
-    """The teacher's sampled conversations on the training prompts, as a completions JSONL."""
-    from opd.data import completion_trajectory, load_jsonl, write_jsonl
-    from opd.eval import load_model, tool_executor
-    from opd.inputs import chat_format
-    from opd.rollout import rollout
+    """The teacher's sampled conversations on the training prompts, as a completions JSONL
+    (opd.teacher_data; kept across runs of the study)."""
+    from opd.teacher_data import sample_teacher_data
 
     path = out / f"teacher_conversations_seed{seed}.jsonl"
-    if path.is_file():
-        return path
-    started = time.perf_counter()
-    chat = chat_format(config.tokenizer_path, config.model, config.model.teacher,
-                       "model.teacher")
-    model = load_model(config.model.teacher, "cpu", "model.teacher")
-    prompts = load_jsonl(config.data.prompts)
-    with tool_executor(plugins.tool_registry, config.tools, plugins.environment) as executor:
-        trajectories = rollout(model, chat, executor, prompts, config.rollout, seed=seed,
-                               parser=plugins.parser)
-    kept, counts = [], {"prompts": len(prompts), "truncated": 0, "not_rendered_back": 0,
-                        "correct": 0, "failed_or_invalid_calls": 0}
-    for prompt, trajectory in zip(prompts, trajectories):
-        if trajectory.truncated:
-            counts["truncated"] += 1
-            continue
-        messages = conversation_messages(chat, prompt, trajectory)
-        rendered = completion_trajectory(chat, messages, prompt.get("tools"))
-        if rendered.input_ids != trajectory.input_ids:
-            counts["not_rendered_back"] += 1
-            continue
-        record = dict(prompt, messages=messages)
-        kept.append(record)
-        counts["correct"] += bool(plugins.eval_checker(messages[-1]["content"], prompt))
-        counts["failed_or_invalid_calls"] += trajectory.counts.failed + trajectory.counts.invalid \
-            > 0
-    write_jsonl(path, kept)
-    counts.update(kept=len(kept), temperature=config.rollout.temperature, seed=seed,
-                  seconds=round(time.perf_counter() - started, 1))
-    path.with_suffix(".json").write_text(json.dumps(counts, indent=2) + "\n")
-    print(json.dumps({"teacher_conversations": counts}), flush=True)
+    if not path.is_file():
+        counts = sample_teacher_data(config, plugins, path, seed, device="cpu")
+        print(json.dumps({"teacher_conversations": counts}), flush=True)
     return path
-
-
-def conversation_messages(chat, prompt: dict, trajectory) -> list[dict]:
-    """A sampled trajectory as chat messages: each assistant turn's text as sampled (before its
-    stop token), each observation's `<tool_response>` contents as tool messages."""
-    from opd.data import prompt_record
-
-    tokenizer = chat.tokenizer
-    messages = list(prompt_record(prompt)["messages"])
-    for start, end, kind in trajectory.spans:
-        ids = trajectory.input_ids[start:end]
-        if kind == "assistant":
-            if ids and ids[-1] in chat.stop_token_ids:
-                ids = ids[:-1]
-            messages.append({"role": "assistant",
-                             "content": tokenizer.decode(ids, skip_special_tokens=False)})
-        elif kind == "observation":
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            messages += [{"role": "tool", "content": content}
-                         for content in TOOL_RESPONSE.findall(text)]
-    return messages
 
 
 def run_method(args, config, plugins, out: Path, method: str, seed: int, lr: float | None,

@@ -37,7 +37,7 @@ LAYERS: list[list[str]] = [
      "opd.teachers.served", "opd.teachers.server", "opd.teachers.wire", "opd.teachers.overlap",
      "opd.teachers.output_head"],
     ["opd.eval", "opd.objective"],
-    ["opd.trainer"],
+    ["opd.trainer", "opd.teacher_data"],
     ["opd.pipeline"],
 ]
 

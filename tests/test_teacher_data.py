@@ -1,0 +1,69 @@
+"""python -m opd.teacher_data: the teacher's conversations on a recipe's prompts become a dataset
+an off-policy run trains on, token for token as the teacher sampled them."""
+
+import json
+
+import pytest
+
+from opd.chat import ChatFormat
+from opd.data import load_jsonl
+from opd.inputs import load_completions
+from opd.teacher_data import main
+
+RECIPE = "recipes/toolcalc_confirm.yaml"
+WORLD = "prepare=worlds.toolcalc.prepare:prepare_checked_prior_weak"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The shipped weak world (its teacher solves 0.998 of held-out tasks), unpacked to a
+    cache of this module's own (the recipe's prepare finds it there), and its first 12 prompts."""
+    from worlds.toolcalc.prepare import prepare_shipped
+
+    root = tmp_path_factory.mktemp("teacher_data")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPD_CACHE_DIR", str(root / "cache"))
+        prepared = prepare_shipped("checked_prior_weak")
+        assert prepared is not None
+        records = load_jsonl(prepared.root / "data" / "prompts.jsonl")[:12]
+        prompts = root / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(record) + "\n" for record in records))
+        yield prepared.root, prompts
+
+
+def test_the_teachers_conversations_render_back_to_the_tokens_it_sampled(world, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, prompts = world
+    out = tmp_path / "teacher.jsonl"
+    counts = main(["--recipe", RECIPE, "--out", str(out), "--seed", "3", "--device", "cpu",
+                   WORLD, f"data.prompts={prompts}"])
+    records = load_jsonl(out)
+    assert counts["prompts"] == 12 and counts["kept"] == len(records) >= 10
+    assert json.loads(out.with_suffix(".json").read_text())["kept"] == len(records)
+    # Multi-call episodes with their tool results, loaded as a training run loads
+    # data.completions: the assistant turns (and their stop tokens) are the only targets.
+    chat = ChatFormat(AutoTokenizer.from_pretrained(root / "tokenizer"))
+    completions = load_completions(str(out), chat, 1024)
+    assert len(completions) == len(records)
+    for record, trajectory in zip(records, completions):
+        roles = [m["role"] for m in record["messages"]]
+        assert roles.count("tool") >= 1 and roles[-1] == "assistant"
+        assistant = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert sum(trajectory.assistant_mask) == sum(
+            len(chat.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+            for text in assistant)
+    # The same seed samples the same conversations.
+    again = tmp_path / "again.jsonl"
+    main(["--recipe", RECIPE, "--out", str(again), "--seed", "3", "--device", "cpu", WORLD,
+          f"data.prompts={prompts}"])
+    assert again.read_text() == out.read_text()
+
+
+def test_an_existing_output_is_refused_before_anything_is_sampled(world, tmp_path, capsys):
+    out = tmp_path / "teacher.jsonl"
+    out.write_text("keep me\n")
+    with pytest.raises(SystemExit, match=rf"^error: --out {out} exists; remove it or name "
+                                         r"another file \(nothing was sampled\).$"):
+        main(["--recipe", RECIPE, "--out", str(out), WORLD])
+    assert out.read_text() == "keep me\n"
