@@ -1,6 +1,11 @@
 """The quality study's report: quality.md and quality.png from results.jsonl (bench/quality.py).
 
     python bench/quality.py --report-only --out runs/quality_chain
+    python bench/quality_report.py --out runs/confirm --studies runs/a,runs/b --seeds 3,4,5
+
+The second form reports several studies of one world together (each method from one of them,
+at its own picked rate), restricted to the given seeds: a confirmation on fresh seeds reads
+only those.
 
 Standard errors: a method's held-out success is the mean over its seeds; its standard error
 combines the tasks' binomial noise and the seeds' spread (the larger of the pooled binomial SE,
@@ -18,7 +23,9 @@ from pathlib import Path
 
 # Families of methods, for the targets (issue 24): what a distiller without demonstrations can
 # run off-policy (teacher-written conversations), and on-policy distillation.
-TEACHER_OFF_POLICY = ("sft_teacher", "kd_teacher", "gkd_mix")
+TEACHER_OFF_POLICY = ("sft_teacher", "kd_teacher")
+# Half its steps on-policy, half on the teacher's conversations: neither family, reported apart.
+MIXED = ("gkd_mix",)
 OPD = ("opd_forward_kl", "opd_reverse_kl", "opd_jsd", "opd_hybrid_kl", "opd_sampled",
        "opd_reward", "opd_topk20", "opd_topk64")
 RL = "rl"
@@ -31,9 +38,11 @@ def read_results(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_dir(out: Path, result: dict) -> Path:
-    """A result's run directory (results from before learning-rate sweeps name no `run`)."""
-    return out / "runs" / result.get("run", f"{result['method']}-seed{result['seed']}")
+def run_dir(result: dict) -> Path:
+    """A counted result's run directory (results from before learning-rate sweeps name no
+    `run`)."""
+    return Path(result["study"]) / "runs" / result.get("run",
+                                                        f"{result['method']}-seed{result['seed']}")
 
 
 def counted(out: Path, results: list[dict]) -> list[dict]:
@@ -64,18 +73,44 @@ def _mean(values: list) -> float | None:
     return statistics.mean(present) if present else None
 
 
-def report(out: Path) -> None:
-    """quality.md and quality.png from results.jsonl."""
-    results = read_results(out)
-    if not results:
-        sys.exit(f"error: {out / 'results.jsonl'} holds no results yet.")
+def load(studies: list[Path], seeds: set[int] | None = None) -> list[dict]:
+    """The counted results of one or more studies of one world (of `seeds` only, if given),
+    each tagged with its study; a study without results, a method in two studies or studies
+    of different worlds exit with the reason."""
+    rows: list[dict] = []
+    owner: dict[str, Path] = {}
+    for study in studies:
+        results = read_results(study)
+        if not results:
+            sys.exit(f"error: {study / 'results.jsonl'} holds no results yet.")
+        for result in counted(study, results):
+            if seeds is not None and result["seed"] not in seeds:
+                continue
+            if owner.setdefault(result["method"], study) != study:
+                sys.exit(f"error: {result['method']} has results in both {owner[result['method']]} "
+                         f"and {study}; report each study on its own.")
+            rows.append(dict(result, study=str(study)))
+    settings = {(json.dumps(r["references"]["teacher"]["heldout"], sort_keys=True), r["steps"])
+                for r in rows}
+    if len(settings) > 1:
+        sys.exit(f"error: {', '.join(map(str, studies))} differ in teacher, held-out tasks or "
+                 "optimizer steps; only studies of one setting can be reported together.")
+    if not rows:
+        sys.exit(f"error: no results of seeds {sorted(seeds or [])} in {', '.join(map(str, studies))}.")
+    return rows
+
+
+def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None = None) -> None:
+    """quality.md and quality.png in `out` from the results of `studies` (default: `out`)."""
+    studies = studies or [out]
     by_method: dict[str, list[dict]] = {}
-    for result in counted(out, results):
+    for result in load(studies, seeds):
         by_method.setdefault(result["method"], []).append(result)
-    references = results[-1]["references"]
+    first = next(iter(by_method.values()))[-1]
+    references = first["references"]
     lines = [
         f"Held-out greedy success on {references['teacher']['heldout']['num_tasks']} tasks after "
-        f"{results[0]['steps']} optimizer steps (mean over seeds ± standard error).", "",
+        f"{first['steps']} optimizer steps (mean over seeds ± standard error).", "",
         "| method | seeds | held-out success | tasks with a rejected call | success after one "
         "| truncation | student episodes | student tokens trained | teacher tokens scored | "
         "wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -97,9 +132,13 @@ def report(out: Path) -> None:
             f"{statistics.mean(r['student_tokens_trained'] for r in runs):,.0f} | "
             f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
             f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
-    lines += _group_table(by_method, references) + _targets(out, by_method, references)
-    lines += _sweep_table(out)
-    lines += _on_policy_table(out, by_method)
+    lines += _group_table(by_method, references) + _targets(by_method, references)
+    lines += _sweep_table(studies)
+    lines += _on_policy_table(by_method)
+    if seeds is not None:
+        lines += ["", f"Seeds counted: {', '.join(map(str, sorted(seeds)))}; studies: "
+                  f"{', '.join(map(str, studies))}."]
+    out.mkdir(parents=True, exist_ok=True)
     (out / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by_method, references, out / "quality.png")
@@ -121,22 +160,25 @@ def _group_table(by_method: dict[str, list[dict]], references: dict) -> list[str
     return lines
 
 
-def _targets(out: Path, by_method: dict[str, list[dict]], references: dict) -> list[str]:
-    """The issue's two targets, read off the results: best OPD against the best teacher-only
-    off-policy method (in SEs of the difference), and OPD's student episodes to reach RL's final
-    validation success (the warm student's validation success is the curves' point at 0)."""
+def _targets(by_method: dict[str, list[dict]], references: dict) -> list[str]:
+    """The issue's two targets, read off the results: best OPD (and, apart, the on-policy /
+    teacher-data mix) against the best teacher-only off-policy method (in SEs of the difference),
+    and OPD's student episodes to reach RL's final validation success (the warm student's
+    validation success is the curves' point at 0)."""
     def best(names: tuple[str, ...]) -> str | None:
         present = [n for n in names if n in by_method]
         return max(present, key=lambda n: success_se(by_method[n])[0]) if present else None
 
     opd, off = best(OPD), best(TEACHER_OFF_POLICY)
     lines = ["", "Targets:", ""]
-    if opd and off:
-        (a, se_a), (b, se_b) = success_se(by_method[opd]), success_se(by_method[off])
-        z = (a - b) / math.sqrt(se_a ** 2 + se_b ** 2)
-        lines.append(f"- best OPD ({opd}) {a:.3f} against the best teacher-data off-policy "
-                     f"method ({off}) {b:.3f}: difference {a - b:+.3f}, {z:+.1f} standard errors "
-                     "(target: at least +2).")
+    for arm, label in ((opd, "best OPD"), (best(MIXED), "on-policy steps mixed into the teacher's "
+                                                        "conversations")):
+        if arm and off:
+            (a, se_a), (b, se_b) = success_se(by_method[arm]), success_se(by_method[off])
+            z = (a - b) / math.sqrt(se_a ** 2 + se_b ** 2)
+            lines.append(f"- {label} ({arm}) {a:.3f} against the best teacher-data off-policy "
+                         f"method ({off}) {b:.3f}: difference {a - b:+.3f}, {z:+.1f} standard "
+                         "errors (target: at least +2).")
     if opd and RL in by_method:
         rl_final = statistics.mean(r["samples_curve"][-1][1] for r in by_method[RL]
                                    if r.get("samples_curve"))
@@ -158,15 +200,15 @@ def _targets(out: Path, by_method: dict[str, list[dict]], references: dict) -> l
             line += "; " + (f"{opd} reaches it after {reached:,.0f} "
                             f"({rl_episodes / reached:.1f}x fewer; target: at least 5x)."
                             if reached else f"{opd} never reaches it in its run.")
-        lines.append(line + _reward_signal(out, by_method[RL]))
+        lines.append(line + _reward_signal(by_method[RL]))
     return lines
 
 
-def _sweep_table(out: Path) -> list[str]:
-    path = out / "selected_lr.json"
-    if not path.is_file():
+def _sweep_table(studies: list[Path]) -> list[str]:
+    selected = {method: pick for study in studies if (study / "selected_lr.json").is_file()
+                for method, pick in json.loads((study / "selected_lr.json").read_text()).items()}
+    if not selected:
         return []
-    selected = json.loads(path.read_text())
     lrs = sorted({lr for pick in selected.values() for lr in pick["selection_success"]},
                  key=float)
     lines = ["", "Learning rates: each method's first-seed student on the selection split "
@@ -191,10 +233,10 @@ def _episodes_to_reach(runs: list[dict], level: float) -> float | None:
     return None
 
 
-def _reward_signal(out: Path, runs: list[dict]) -> str:
+def _reward_signal(runs: list[dict]) -> str:
     """How often RL's groups carried any signal: a step whose groups all got the same reward
     has zero advantage everywhere, so RL takes no gradient from it."""
-    paths = [run_dir(out, run) / "metrics.jsonl" for run in runs]
+    paths = [run_dir(run) / "metrics.jsonl" for run in runs]
     steps = [r for path in paths for r in _read_metrics(path) if "advantage_std" in r]
     if not steps:
         return ""
@@ -202,15 +244,15 @@ def _reward_signal(out: Path, runs: list[dict]) -> str:
     return f" Steps with any reward signal (advantage std > 0): {signal:.0%}."
 
 
-def _on_policy_table(out: Path, by_method: dict[str, list[dict]]) -> list[str]:
+def _on_policy_table(by_method: dict[str, list[dict]]) -> list[str]:
     lines = ["", "The student's own rollouts during on-policy steps (from the metrics.jsonl of "
-             "each run whose directory is under --out; mean over those runs): tool calls that "
+             "each run whose directory is in its study; mean over those runs): tool calls that "
              "were invalid or failed per conversation, and the truncation rate, over the first "
              "and the last 50 steps:", "",
              "| method | runs | bad calls / conv., first 50 | last 50 | truncated, first 50 | "
              "last 50 |", "|---|---|---|---|---|---|"]
     for method, runs in by_method.items():
-        phases = [on_policy_errors(run_dir(out, r) / "metrics.jsonl") for r in runs]
+        phases = [on_policy_errors(run_dir(r) / "metrics.jsonl") for r in runs]
         measured = [phase for phase in phases if phase is not None]
         if measured:
             lines.append(f"| {method} | {len(measured)} | " + " | ".join(
@@ -277,3 +319,20 @@ def plot(by_method: dict[str, list[dict]], references: dict, path: Path) -> None
     by_samples.set_title("success against student samples (on-policy methods)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Report several studies of one world together.")
+    parser.add_argument("--out", required=True, help="where quality.md and quality.png go")
+    parser.add_argument("--studies", required=True, help="comma-separated study directories "
+                                                         "(bench/quality.py --out)")
+    parser.add_argument("--seeds", help="comma-separated seeds to count (default: all)")
+    args = parser.parse_args(argv)
+    report(Path(args.out), [Path(study) for study in args.studies.split(",")],
+           {int(seed) for seed in args.seeds.split(",")} if args.seeds else None)
+
+
+if __name__ == "__main__":
+    main()

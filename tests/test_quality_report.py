@@ -111,3 +111,41 @@ def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_sele
     # Three seeds at 8e-3 (0.12, 0.14, 0.14), none of the other rates' runs.
     assert "| kd_teacher | 3 | 0.133 ± " in text
     assert "| kd_teacher | 0.100 | **0.200** | 0.200 |" in text
+
+
+def test_studies_reported_together_count_only_the_confirmation_seeds(tmp_path, quality_report):
+    tuned, mix = tmp_path / "tuned", tmp_path / "mix"
+    for study, method, heldout in ((tuned, "sft_teacher", 0.20), (mix, "gkd_mix", 0.25)):
+        rows = [dict(result(method, seed, heldout + (0.1 if seed < 3 else 0.01 * seed), [(200, 0.1)],
+                            16), lr=4e-3, run=f"{method}-lr0.004-seed{seed}")
+                for seed in range(6)]
+        study.mkdir()
+        (study / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (study / "selected_lr.json").write_text(json.dumps(
+            {method: {"lr": 4e-3, "selection_success": {"0.004": 0.3}}}))
+        for seed in range(6):
+            run = study / "runs" / f"{method}-lr0.004-seed{seed}"
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": step, "off_policy": step % 2 == 0 or method != "gkd_mix",
+                            "invalid_tool_calls": 1, "failed_tool_calls": 0, "conversations": 4,
+                            "truncation_rate": 0.0}) + "\n" for step in range(1, 201)))
+    quality_report.report(tmp_path / "confirm", [tuned, mix], {3, 4, 5})
+    text = (tmp_path / "confirm" / "quality.md").read_text()
+    # Seeds 3-5 only: 0.23/0.24/0.25 and 0.28/0.29/0.30, not the +0.1 of seeds 0-2.
+    assert "| sft_teacher | 3 | 0.240 ± " in text and "| gkd_mix | 3 | 0.290 ± " in text
+    assert targets(tmp_path / "confirm") == [
+        "- on-policy steps mixed into the teacher's conversations (gkd_mix) 0.290 against the "
+        "best teacher-data off-policy method (sft_teacher) 0.240: difference +0.050, +2.8 "
+        "standard errors (target: at least +2)."]
+    # The mix's on-policy steps are read from its own study's run directories.
+    assert "| gkd_mix | 3 | 0.250 | 0.250 | 0.000 | 0.000 |" in text
+    assert "Seeds counted: 3, 4, 5" in text
+
+
+def test_a_method_in_two_studies_is_refused(tmp_path, quality_report):
+    for name in ("a", "b"):
+        write_study(tmp_path / name, [(50, 0.06), (200, 0.12)], rl_advantage_std=0.5)
+    with pytest.raises(SystemExit, match=r"kd_teacher has results in both .*/a and .*/b; "
+                                         r"report each study on its own"):
+        quality_report.report(tmp_path / "both", [tmp_path / "a", tmp_path / "b"])
