@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     try:
+        if out.suffix == ".json":
+            raise ConfigError(f"--out {out}: the conversations are JSONL and their counts go to "
+                              "the same name ending in .json; name a .jsonl file.")
         if out.exists():
             raise ConfigError(f"--out {out} exists; remove it or name another file (nothing "
                               "was sampled).")

@@ -60,10 +60,14 @@ def test_the_teachers_conversations_render_back_to_the_tokens_it_sampled(world, 
     assert again.read_text() == out.read_text()
 
 
-def test_an_existing_output_is_refused_before_anything_is_sampled(world, tmp_path, capsys):
+def test_an_output_that_would_overwrite_a_file_is_refused_before_anything_is_sampled(tmp_path):
     out = tmp_path / "teacher.jsonl"
     out.write_text("keep me\n")
     with pytest.raises(SystemExit, match=rf"^error: --out {out} exists; remove it or name "
                                          r"another file \(nothing was sampled\).$"):
         main(["--recipe", RECIPE, "--out", str(out), WORLD])
     assert out.read_text() == "keep me\n"
+    # Its counts would overwrite the conversations.
+    with pytest.raises(SystemExit, match=r"^error: --out .*/teacher.json: the conversations are "
+                                         r"JSONL .*; name a .jsonl file.$"):
+        main(["--recipe", RECIPE, "--out", str(tmp_path / "teacher.json"), WORLD])
