@@ -68,6 +68,7 @@ def sample_teacher_data(config, plugins, out: Path, seed: int, *, device=None,
     from opd.inputs import chat_format, load_prompts
     from opd.rollout import rollout
 
+    check = plugins.checker
     started = time.perf_counter()
     chat = chat_format(config.tokenizer_path, config.model, config.model.teacher, "model.teacher")
     prompts = load_prompts(config.data.prompts, chat, config.rollout.max_total_len,
@@ -90,7 +91,8 @@ def sample_teacher_data(config, plugins, out: Path, seed: int, *, device=None,
         if rendered.input_ids != trajectory.input_ids:
             counts["not_rendered_back"] += 1
             continue
-        successful = episode_reward(prompt, trajectory, chat.tokenizer, plugins.eval_checker) > 0
+        successful = check is not None and \
+            episode_reward(prompt, trajectory, chat.tokenizer, check) > 0
         counts["successful"] += successful
         if successful_only and not successful:
             counts["unsuccessful_dropped"] += 1
@@ -98,6 +100,8 @@ def sample_teacher_data(config, plugins, out: Path, seed: int, *, device=None,
         counts["with_failed_or_invalid_calls"] += \
             trajectory.counts.failed + trajectory.counts.invalid > 0
         kept.append(dict(prompt, messages=messages))
+    if check is None:  # not measured
+        counts["successful"] = None
     counts.update(kept=len(kept), temperature=config.rollout.temperature, seed=seed,
                   teacher=str(config.model.teacher), prompts_file=str(config.data.prompts),
                   seconds=round(time.perf_counter() - started, 1))
@@ -140,10 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"--out {out}: its directory {out.parent} does not exist.")
         config = load_config(args.recipe, None, args.overrides)
         plugins = resolve_plugins(config)
-        config = prepared(config, plugins)
+        # Before the world is prepared, which can take minutes.
         if not config.model.teacher:
             raise ConfigError(f"{args.recipe}: model.teacher is empty; the teacher's "
                               "conversations need a teacher model directory.")
+        if args.successful_only and plugins.checker is None:
+            raise ConfigError("--successful-only needs eval.checker (module:function("
+                              "final_text, record) -> bool) to tell a success; the recipe "
+                              "names none.")
+        config = prepared(config, plugins)
         counts = sample_teacher_data(config, plugins, out,
                                      config.seed if args.seed is None else args.seed,
                                      device=args.device, successful_only=args.successful_only)

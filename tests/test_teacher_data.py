@@ -71,3 +71,7 @@ def test_an_output_that_would_overwrite_a_file_is_refused_before_anything_is_sam
     with pytest.raises(SystemExit, match=r"^error: --out .*/teacher.json: the conversations are "
                                          r"JSONL .*; name a .jsonl file.$"):
         main(["--recipe", RECIPE, "--out", str(tmp_path / "teacher.json"), WORLD])
+    # No checker to tell a success: refused before the world is prepared.
+    with pytest.raises(SystemExit, match=r"^error: --successful-only needs eval.checker "):
+        main(["--recipe", RECIPE, "--out", str(tmp_path / "new.jsonl"), "--successful-only",
+              WORLD, "eval.checker=", "data.eval="])
