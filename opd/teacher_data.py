@@ -10,10 +10,14 @@ assistant turns as sampled and the tool results as returned), ready for `data.co
     deepspeed launch/train.py --recipe recipes/toolcalc_confirm.yaml \\
         data.completions=teacher.jsonl loss.off_policy_fraction=1.0 loss.direction=sft
 
-A conversation is kept only when it renders back through the chat template to exactly the
-tokens the teacher was trained on here (`opd.data.completion_trajectory`); truncated ones are
-dropped. `--successful-only` also drops episodes the eval would not count as a success
-(rejection sampling); by default failed episodes stay, so the data is what the teacher does.
+A conversation is kept only when it renders back through the chat template
+(`opd.data.completion_trajectory`, what a training run does with the line) to the text the
+teacher sampled, so no turn, tool result or boundary is lost; truncated ones are dropped. Where
+the teacher sampled a word split into tokens the tokenizer would not produce ("Thist" + "orra"
+for "Th" + "i" + "s" + "tor" + "ra"), the text survives but those tokens cannot: the line trains
+on the tokenizer's own split, as any text dataset does, and is counted as `retokenized`.
+`--successful-only` also drops episodes the eval would not count as a success (rejection
+sampling); by default failed episodes stay, so the data is what the teacher does.
 The counts go to the output's `.json` beside it. One process on one device (cuda when
 available): for a teacher too large for one device, serve it and sample with your server.
 """
@@ -27,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from opd.errors import ConfigError, OPDError
+from opd.errors import ConfigError, DatasetError, OPDError
 
 # What the hermes and Qwen chat templates put around each tool result in an observation turn.
 TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
@@ -58,12 +62,33 @@ def conversation_messages(chat, prompt: dict, trajectory) -> list[dict]:
     return messages
 
 
+def rendered_back(chat, prompt: dict, trajectory) -> tuple[list[dict] | None, str]:
+    """A sampled trajectory's messages and how they render back through the template: "exact"
+    (the same token IDs), "retokenized" (the same text in the tokenizer's own split of some
+    word the teacher sampled in pieces) or, with no messages, "not_rendered_back"."""
+    from opd.data import completion_trajectory
+
+    messages = conversation_messages(chat, prompt, trajectory)
+    try:
+        rendered = completion_trajectory(chat, messages, prompt.get("tools"),
+                                         prompt.get("tools_by_turn")).input_ids
+    except DatasetError:  # e.g. an observation whose tool results were not found in it
+        return None, "not_rendered_back"
+    if rendered == trajectory.input_ids:
+        return messages, "exact"
+    decode = chat.tokenizer.decode
+    if decode(rendered, skip_special_tokens=False) == \
+            decode(trajectory.input_ids, skip_special_tokens=False):
+        return messages, "retokenized"
+    return None, "not_rendered_back"
+
+
 def sample_teacher_data(config, plugins, out: Path, seed: int, *, device=None,
                         successful_only: bool = False) -> dict:
     """Sample the teacher on `config.data.prompts`, write the kept conversations to `out`
     (JSONL) and the counts to `out` with suffix .json; returns the counts. An OPDError where no
     conversation is kept."""
-    from opd.data import completion_trajectory, write_jsonl
+    from opd.data import write_jsonl
     from opd.eval import episode_reward, load_model, tool_executor
     from opd.inputs import chat_format, load_prompts
     from opd.rollout import rollout
@@ -79,18 +104,17 @@ def sample_teacher_data(config, plugins, out: Path, seed: int, *, device=None,
                                parser=plugins.parser)
     kept: list[dict] = []
     counts: dict = {"prompts": len(prompts), "truncated": 0, "not_rendered_back": 0,
-                    "successful": 0, "unsuccessful_dropped": 0,
+                    "retokenized": 0, "successful": 0, "unsuccessful_dropped": 0,
                     "with_failed_or_invalid_calls": 0}
     for prompt, trajectory in zip(prompts, trajectories):
         if trajectory.truncated:
             counts["truncated"] += 1
             continue
-        messages = conversation_messages(chat, prompt, trajectory)
-        rendered = completion_trajectory(chat, messages, prompt.get("tools"),
-                                         prompt.get("tools_by_turn"))
-        if rendered.input_ids != trajectory.input_ids:
+        messages, rendering = rendered_back(chat, prompt, trajectory)
+        if messages is None:
             counts["not_rendered_back"] += 1
             continue
+        counts["retokenized"] += rendering == "retokenized"
         successful = check is not None and \
             episode_reward(prompt, trajectory, chat.tokenizer, check) > 0
         counts["successful"] += successful

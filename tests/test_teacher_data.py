@@ -75,3 +75,56 @@ def test_an_output_that_would_overwrite_a_file_is_refused_before_anything_is_sam
     with pytest.raises(SystemExit, match=r"^error: --successful-only needs eval.checker "):
         main(["--recipe", RECIPE, "--out", str(tmp_path / "new.jsonl"), "--successful-only",
               WORLD, "eval.checker=", "data.eval="])
+
+
+def test_a_word_the_teacher_sampled_in_pieces_is_kept_in_the_tokenizers_split(world):
+    """A sampled split the tokenizer would not produce ("Thist" + "orra") cannot survive as
+    text, so the line is kept with the tokenizer's split and counted; a conversation whose text
+    does not come back is dropped."""
+    from transformers import AutoTokenizer
+
+    from opd.data import completion_trajectory
+    from opd.teacher_data import rendered_back
+    from opd.trajectory import AgentTrajectory
+
+    root, prompts = world
+    chat = ChatFormat(AutoTokenizer.from_pretrained(root / "tokenizer"))
+    prompt = load_jsonl(prompts)[0]
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"entity": "Thistorra Flats", ' \
+           '"attribute": "founded_year"}}\n</tool_call>'
+    messages = [*prompt["messages"], {"role": "assistant", "content": call},
+                {"role": "tool", "content": '{"result": 1551}'},
+                {"role": "assistant", "content": "The answer is 1551."}]
+    canonical = completion_trajectory(chat, messages, prompt.get("tools"))
+    assert rendered_back(chat, prompt, canonical) == (messages, "exact")
+
+    def rebuilt(replace):
+        trajectory = AgentTrajectory.from_prompt(canonical.input_ids[:canonical.spans[0][1]])
+        for start, end, kind in canonical.spans[1:]:
+            trajectory.append(replace(canonical.input_ids[start:end], kind), kind)
+        return trajectory
+
+    def in_characters(ids, kind):  # the first call, one token per character, then its stop
+        if kind != "assistant" or "lookup" not in chat.tokenizer.decode(ids):
+            return ids
+        text = chat.tokenizer.decode(ids[:-1])
+        return [token for char in text
+                for token in chat.tokenizer(char, add_special_tokens=False)["input_ids"]] + \
+            ids[-1:]
+
+    pieces = rebuilt(in_characters)
+    assert pieces.input_ids != canonical.input_ids
+    assert rendered_back(chat, prompt, pieces) == (messages, "retokenized")
+
+    def observation_edited(old, new):
+        def edit(ids, kind):
+            if kind != "observation":
+                return ids
+            text = chat.tokenizer.decode(ids).replace(old, new)
+            return chat.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return edit
+
+    # Text outside the tags is lost on the way back; without tags no tool message is found.
+    for old, new in [("<tool_response>", "note: <tool_response>"), ("<tool_response>\n", "")]:
+        assert rendered_back(chat, prompt, rebuilt(observation_edited(old, new))) == \
+            (None, "not_rendered_back")
