@@ -453,15 +453,19 @@ def test_scoring_that_overlaps_the_rollout_trains_like_scoring_after_it(served_w
 class _KillsTheTeacher:
     """A proxy in front of a real server that kills it (SIGKILL) right after passing on the
     first answer, then stops listening itself: the teacher dies mid-rollout, with the
-    conversations that finish later still to score."""
+    conversations that finish later still to score. Scoring requests go through one at a time,
+    so a second one sent at the same moment (the other rank's) cannot slip through before the
+    kill: it finds the connection closed without an answer."""
 
     def __init__(self, upstream: str, process: subprocess.Popen):
         import threading
         import urllib.request
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        def die() -> None:
-            process.kill()
+        one_at_a_time = threading.Lock()
+        answered = threading.Event()
+
+        def stop_listening() -> None:
             self.server.shutdown()
             self.server.server_close()
 
@@ -472,10 +476,16 @@ class _KillsTheTeacher:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                with urllib.request.urlopen(urllib.request.Request(
-                        upstream + self.path, data=body)) as response:
-                    self._reply(response.read())
-                threading.Thread(target=die, daemon=True).start()
+                with one_at_a_time:
+                    if answered.is_set():
+                        self.close_connection = True
+                        return
+                    with urllib.request.urlopen(urllib.request.Request(
+                            upstream + self.path, data=body)) as response:
+                        self._reply(response.read())
+                    process.kill()
+                    answered.set()
+                threading.Thread(target=stop_listening, daemon=True).start()
 
             def _reply(self, body: bytes) -> None:
                 self.send_response(200)
