@@ -52,6 +52,12 @@ observations tool messages (Hermes `<tool_response>` blocks); a conversation is 
 `opd.data.completion_trajectory` renders it back to exactly the sampled IDs, and truncated ones
 are dropped (counts in `teacher_conversations_seed<S>.json`).
 
+`--start DIR` starts every method from another saved student (a `final/` directory of an
+earlier run) instead of the recipe's warm student: the staged pipeline a user runs when the
+student must succeed sometimes before RL can learn (off-policy distillation first, then RL or
+OPD on top). The world's data, splits and oracle stay the prepared world's; the report's
+"warm student (start)" row is then that student.
+
 Hyperparameters are never chosen on the held-out tasks: the curve of success against steps is
 measured on a validation split of freshly generated toolcalc tasks (disjoint from held-out,
 training and prompt tasks), and held-out greedy success is measured once, on the final student.
@@ -73,6 +79,7 @@ the test suite.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -153,6 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="runs at once, one thread each (each run's wall s then "
                              "counts the others' load)")
     parser.add_argument("--out", default=str(REPO / "runs" / "quality"))
+    parser.add_argument("--start", help="a saved student (an earlier run's final/) every method "
+                                        "starts from, instead of the recipe's warm student")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite quality.md and quality.png from results.jsonl")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -186,12 +195,21 @@ def main(argv: list[str] | None = None) -> None:
         config = prepared(config, plugins)
     except OPDError as error:
         sys.exit(f"error: {error}")
+    world = Path(config.model.student).parent  # the prepared world: its data and prepare.json
+    if args.start:
+        start = Path(args.start).resolve()
+        if not (start / "config.json").is_file():
+            sys.exit(f"error: --start {args.start}: no saved model there (no config.json); "
+                     "give a run's final/ directory.")
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                       student=str(start)))
+        args.overrides.append(f"model.student={start}")
     torch.set_num_threads(1)  # one run at a time on a shared host; the runs get OMP 1 too
     steps = args.steps or config.train.steps
-    validation = write_validation_split(config, out, args.val_tasks)
+    validation = write_validation_split(config, world, out, args.val_tasks)
     references = reference_rows(config, plugins, out, validation)
     lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else [None]
-    selection = write_validation_split(config, out, args.select_tasks, validation) \
+    selection = write_validation_split(config, world, out, args.select_tasks, validation) \
         if args.lrs else None
     # With --lrs: every rate at the first seed, then the other seeds at each method's pick.
     sweep = [(method, seeds[0], lr) for method in methods for lr in lrs]
@@ -205,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def one(method: str, seed: int, lr: float | None) -> None:
         if not done(out, method, seed, lr):
-            result = run_method(args, config, plugins, out, method, seed, lr, steps,
+            result = run_method(args, config, plugins, world, out, method, seed, lr, steps,
                                 validation, teacher_data.get(seed))
             result["references"] = references
             if selection is not None and seed == seeds[0]:  # what the pick reads
@@ -249,7 +267,8 @@ def pick_lrs(out: Path, methods: list[str], seed: int, lrs: list) -> dict:
     return {method: selected[method]["lr"] for method in methods}
 
 
-def write_validation_split(config, out: Path, count: int, besides: Path | None = None) -> Path:
+def write_validation_split(config, world: Path, out: Path, count: int,
+                           besides: Path | None = None) -> Path:
     """`count` new tasks of the prepared world, none of them a held-out, training or prompt
     question; `besides` (the validation split) given, the selection split, none of those either."""
     from opd.data import load_jsonl, write_jsonl
@@ -259,19 +278,18 @@ def write_validation_split(config, out: Path, count: int, besides: Path | None =
     path = out / f"{'selection' if besides else 'validation'}_{count}.jsonl"
     seed = VALIDATION_SEED + (besides is not None)
     if not path.is_file():
-        root = Path(config.model.student).parent
         seen = frozenset(record["messages"][0]["content"]
                          for data in (config.data.eval, config.data.prompts,
-                                      root / "data" / "train.jsonl", *filter(None, [besides]))
+                                      world / "data" / "train.jsonl", *filter(None, [besides]))
                          for record in load_jsonl(data))
-        world = json.loads((root / "prepare.json").read_text())["config"]
-        if world.get("world") == "chain":
-            records = [chain_record(task, world.get("confirm", False),
-                                    world.get("checked", False)) for task in
+        built = json.loads((world / "prepare.json").read_text())["config"]
+        if built.get("world") == "chain":
+            records = [chain_record(task, built.get("confirm", False),
+                                    built.get("checked", False)) for task in
                        generate_chain_tasks(count, seed, exclude=seen)]
         else:  # the prepared world's families (the harder world adds three_hop)
-            families = {"families": tuple(world["families"]),
-                        "weights": tuple(world["family_weights"])}
+            families = {"families": tuple(built["families"]),
+                        "weights": tuple(built["family_weights"])}
             records = [task_record(task) for task in
                        generate_tasks(count, seed, exclude=seen, **families)]
         write_jsonl(path, records)
@@ -315,8 +333,8 @@ def teacher_conversations(config, plugins, out: Path, seed: int) -> Path:
     return path
 
 
-def run_method(args, config, plugins, out: Path, method: str, seed: int, lr: float | None,
-               steps: int, validation: Path, teacher_data: Path | None) -> dict:
+def run_method(args, config, plugins, world: Path, out: Path, method: str, seed: int,
+               lr: float | None, steps: int, validation: Path, teacher_data: Path | None) -> dict:
     """One training run through launch/train.py (at `lr`, or the method's own rate), then the
     final student on held-out tasks."""
     from opd.metrics import read_metrics
@@ -326,7 +344,7 @@ def run_method(args, config, plugins, out: Path, method: str, seed: int, lr: flo
     group_prompts = str(max(1, config.train.prompts_per_step // SAMPLES_PER_PROMPT))
     overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
                  .replace(GROUP_PROMPTS, group_prompts)
-                 .replace(ORACLE, str(Path(config.model.student).parent / "data" / "train.jsonl"))
+                 .replace(ORACLE, str(world / "data" / "train.jsonl"))
                  for o in METHODS[method]]
     overrides += [
         f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
