@@ -17,7 +17,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import urllib.request
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -201,8 +204,6 @@ def test_served_scores_equal_the_in_process_teachers(models, server, hot_server,
 
 
 def _stats(url: str) -> dict:
-    import urllib.request
-
     with urllib.request.urlopen(f"{url}/stats") as response:
         return json.loads(response.read())
 
@@ -289,28 +290,22 @@ def test_a_server_at_another_temperature_is_refused_in_one_sentence(models, serv
         ServedTeacher.build(replace(config, loss=LossConfig(temperature=1.5)), ONE_CPU_RANK)
 
 
-class _ShortAnswers:
-    """A proxy in front of the real server that drops the last target token of every answer
-    (re-encoded, so the answer is well formed and only short): a partial payload."""
+class _Proxy:
+    """A proxy in front of a real server: GETs pass through, each POST goes to `answer`, which
+    subclasses write to break the server's answers in one way."""
 
     def __init__(self, upstream: str):
-        import threading
-        import urllib.request
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 with urllib.request.urlopen(upstream + self.path) as response:
-                    self._reply(response.read())
+                    self.reply(response.read())
 
             def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with urllib.request.urlopen(urllib.request.Request(
-                        upstream + self.path, data=body)) as response:
-                    answer = decode_answer(response.read())
-                self._reply(encode_answer(replace(answer, logprobs_T=answer.logprobs_T[:-1])))
+                proxy.answer(self, self.rfile.read(int(self.headers["Content-Length"])))
 
-            def _reply(self, body: bytes) -> None:
+            def reply(self, body: bytes) -> None:
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -319,9 +314,27 @@ class _ShortAnswers:
             def log_message(self, format, *args):
                 pass
 
+        self.upstream = upstream
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def forward(self, path: str, body: bytes) -> bytes:
+        with urllib.request.urlopen(urllib.request.Request(self.upstream + path,
+                                                           data=body)) as response:
+            return response.read()
+
+    def answer(self, handler, body: bytes) -> None:
+        raise NotImplementedError
+
+
+class _ShortAnswers(_Proxy):
+    """Drops the last target token of every answer (re-encoded, so the answer is well formed and
+    only short): a partial payload."""
+
+    def answer(self, handler, body: bytes) -> None:
+        answer = decode_answer(self.forward(handler.path, body))
+        handler.reply(encode_answer(replace(answer, logprobs_T=answer.logprobs_T[:-1])))
 
 
 @pytest.mark.vllm
@@ -450,55 +463,32 @@ def test_scoring_that_overlaps_the_rollout_trains_like_scoring_after_it(served_w
             assert during[key] == pytest.approx(after[key], rel=1e-5, abs=1e-7), key
 
 
-class _KillsTheTeacher:
-    """A proxy in front of a real server that kills it (SIGKILL) right after passing on the
-    first answer, then stops listening itself: the teacher dies mid-rollout, with the
-    conversations that finish later still to score. Scoring requests go through one at a time,
-    so a second one sent at the same moment (the other rank's) cannot slip through before the
-    kill: it finds the connection closed without an answer."""
+class _KillsTheTeacher(_Proxy):
+    """Kills the server (SIGKILL) right after passing on the first answer, then stops listening
+    itself: the teacher dies mid-rollout, with the conversations that finish later still to
+    score. Scoring requests go through one at a time, so a second one sent at the same moment
+    (the other rank's) cannot slip through before the kill: it finds the connection closed
+    without an answer."""
 
     def __init__(self, upstream: str, process: subprocess.Popen):
-        import threading
-        import urllib.request
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.process = process
+        self.one_at_a_time = threading.Lock()
+        self.answered = threading.Event()
+        super().__init__(upstream)
 
-        one_at_a_time = threading.Lock()
-        answered = threading.Event()
+    def answer(self, handler, body: bytes) -> None:
+        with self.one_at_a_time:
+            if self.answered.is_set():
+                handler.close_connection = True
+                return
+            handler.reply(self.forward(handler.path, body))
+            self.process.kill()
+            self.answered.set()
+        threading.Thread(target=self.stop_listening, daemon=True).start()
 
-        def stop_listening() -> None:
-            self.server.shutdown()
-            self.server.server_close()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                with urllib.request.urlopen(upstream + self.path) as response:
-                    self._reply(response.read())
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with one_at_a_time:
-                    if answered.is_set():
-                        self.close_connection = True
-                        return
-                    with urllib.request.urlopen(urllib.request.Request(
-                            upstream + self.path, data=body)) as response:
-                        self._reply(response.read())
-                    process.kill()
-                    answered.set()
-                threading.Thread(target=stop_listening, daemon=True).start()
-
-            def _reply(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def stop_listening(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.mark.vllm
