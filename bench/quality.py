@@ -374,7 +374,7 @@ def run_method(args, config, plugins, world: Path, out: Path, method: str, seed:
             samples_curve.append((episodes, r["eval_success_rate"]))
     return {
         "method": method, "seed": seed, "lr": lr, "steps": steps, "overrides": overrides,
-        "run": run_dir.name,
+        "run": run_dir.name, "start": args.start,
         "heldout_success": heldout["success_rate"],
         "heldout_tool_call_validity": heldout["tool_call_validity"],
         "heldout_truncation_rate": heldout["truncation_rate"],

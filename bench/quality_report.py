@@ -108,6 +108,8 @@ def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None 
         by_method.setdefault(result["method"], []).append(result)
     first = next(iter(by_method.values()))[-1]
     references = first["references"]
+    # bench/quality.py --start: every method began from an earlier run's student, not the warm one.
+    start = f"the student of {first['start']}" if first.get("start") else "the warm student"
     lines = [
         f"Held-out greedy success on {references['teacher']['heldout']['num_tasks']} tasks after "
         f"{first['steps']} optimizer steps (mean over seeds ± standard error).", "",
@@ -116,7 +118,7 @@ def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None 
         "wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("teacher", "student"):
         held = references[name]["heldout"]
-        label = "teacher" if name == "teacher" else "warm student (start)"
+        label = "teacher" if name == "teacher" else f"{start.removeprefix('the ')} (start)"
         lines.append(f"| {label} | | {held['success_rate']:.3f} | "
                      f"{_cell(held.get('rejected_call_rate'))} | "
                      f"{_cell(held.get('success_after_rejection'))} | "
@@ -132,7 +134,7 @@ def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None 
             f"{statistics.mean(r['student_tokens_trained'] for r in runs):,.0f} | "
             f"{statistics.mean(r['teacher_tokens_scored'] for r in runs):,.0f} | "
             f"{statistics.mean(r['wall_s'] for r in runs):.0f} |")
-    lines += _group_table(by_method, references) + _targets(by_method, references)
+    lines += _group_table(by_method, references) + _targets(by_method, references, start)
     lines += _sweep_table(studies)
     lines += _on_policy_table(by_method)
     if seeds is not None:
@@ -160,10 +162,10 @@ def _group_table(by_method: dict[str, list[dict]], references: dict) -> list[str
     return lines
 
 
-def _targets(by_method: dict[str, list[dict]], references: dict) -> list[str]:
+def _targets(by_method: dict[str, list[dict]], references: dict, start_name: str) -> list[str]:
     """The issue's two targets, read off the results: best OPD (and, apart, the on-policy /
     teacher-data mix) against the best teacher-only off-policy method (in SEs of the difference),
-    and OPD's student episodes to reach RL's final validation success (the warm student's
+    and OPD's student episodes to reach RL's final validation success (the start's
     validation success is the curves' point at 0)."""
     def best(names: tuple[str, ...]) -> str | None:
         present = [n for n in names if n in by_method]
@@ -193,7 +195,7 @@ def _targets(by_method: dict[str, list[dict]], references: dict) -> list[str]:
                 f"student episodes")
         if rl_final - start <= noise:
             # Reaching the start is no achievement: say RL did not learn instead of a ratio.
-            line += (f" is within two standard errors of the warm student's {start:.3f}: RL "
+            line += (f" is within two standard errors of {start_name}'s {start:.3f}: RL "
                      "did not learn, so the samples target cannot be read off this study")
             line += f" ({opd} passes it after {reached:,.0f})." if reached else "."
         else:

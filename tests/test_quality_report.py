@@ -84,6 +84,18 @@ def test_an_rl_arm_that_never_leaves_the_start_is_reported_as_not_learning(
     assert "fewer" not in samples and "(advantage std > 0): 0%." in samples
 
 
+def test_a_study_from_an_earlier_runs_student_names_it_as_the_start(tmp_path, quality_report):
+    write_study(tmp_path, [(50, 0.05), (200, 0.06)], rl_advantage_std=0.5)
+    results = [{**json.loads(line), "start": "runs/kd/final"}
+               for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    quality_report.report(tmp_path)
+    text = (tmp_path / "quality.md").read_text()
+    assert "| student of runs/kd/final (start) | | 0.050 |" in text
+    assert "warm student" not in text
+    assert "within two standard errors of the student of runs/kd/final's 0.050" in targets(tmp_path)[1]
+
+
 def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
         tmp_path, quality_report, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # bench/quality.py imports quality_report
