@@ -96,6 +96,13 @@ def test_a_study_from_an_earlier_runs_student_names_it_as_the_start(tmp_path, qu
     assert "within two standard errors of the student of runs/kd/final's 0.050" in targets(tmp_path)[1]
 
 
+def test_a_study_of_one_method_prints_no_targets(tmp_path, quality_report):
+    (tmp_path / "results.jsonl").write_text(json.dumps(
+        result("opd_hybrid_kl", 0, 0.15, [(20, 0.1), (40, 0.15)], 32)) + "\n")
+    quality_report.report(tmp_path)
+    assert "Targets:" not in (tmp_path / "quality.md").read_text()
+
+
 def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
         tmp_path, quality_report, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # bench/quality.py imports quality_report
