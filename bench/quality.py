@@ -55,8 +55,9 @@ are dropped (counts in `teacher_conversations_seed<S>.json`).
 `--start DIR` starts every method from another saved student (a `final/` directory of an
 earlier run) instead of the recipe's warm student: the staged pipeline a user runs when the
 student must succeed sometimes before RL can learn (off-policy distillation first, then RL or
-OPD on top). The world's data, splits and oracle stay the prepared world's; the report's
-"warm student (start)" row is then that student.
+OPD on top). The world's data, splits and oracle stay the prepared world's; the report names
+that student as the start. The start's scores are cached in the --out directory
+(references.json) with the teacher's: give each start its own --out.
 
 Hyperparameters are never chosen on the held-out tasks: the curve of success against steps is
 measured on a validation split of freshly generated toolcalc tasks (disjoint from held-out,
