@@ -204,7 +204,6 @@ def main(argv: list[str] | None = None) -> None:
                      "give a run's final/ directory.")
         config = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                        student=str(start)))
-        args.overrides.append(f"model.student={start}")
     torch.set_num_threads(1)  # one run at a time on a shared host; the runs get OMP 1 too
     steps = args.steps or config.train.steps
     validation = write_validation_split(config, world, out, args.val_tasks)
@@ -353,6 +352,7 @@ def run_method(args, config, plugins, world: Path, out: Path, method: str, seed:
         "checkpoint.every=0", "checkpoint.resume=never",
         f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
         "eval.baseline=none", "eval.teacher=false", *args.overrides,
+        *([f"model.student={config.model.student}"] if args.start else []),
         *([] if lr is None else [f"optim.lr={lr}"]),
         # After the user's overrides: one naming data.eval (a world's held-out file) sets what
         # the final student is measured on, never the curve's tasks.

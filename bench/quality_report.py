@@ -109,7 +109,7 @@ def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None 
     first = next(iter(by_method.values()))[-1]
     references = first["references"]
     # bench/quality.py --start: every method began from an earlier run's student, not the warm one.
-    start = f"the student of {first['start']}" if first.get("start") else "the warm student"
+    start = f"student of {first['start']}" if first.get("start") else "warm student"
     lines = [
         f"Held-out greedy success on {references['teacher']['heldout']['num_tasks']} tasks after "
         f"{first['steps']} optimizer steps (mean over seeds ± standard error).", "",
@@ -118,7 +118,7 @@ def report(out: Path, studies: list[Path] | None = None, seeds: set[int] | None 
         "wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("teacher", "student"):
         held = references[name]["heldout"]
-        label = "teacher" if name == "teacher" else f"{start.removeprefix('the ')} (start)"
+        label = "teacher" if name == "teacher" else f"{start} (start)"
         lines.append(f"| {label} | | {held['success_rate']:.3f} | "
                      f"{_cell(held.get('rejected_call_rate'))} | "
                      f"{_cell(held.get('success_after_rejection'))} | "
@@ -172,7 +172,7 @@ def _targets(by_method: dict[str, list[dict]], references: dict, start_name: str
         return max(present, key=lambda n: success_se(by_method[n])[0]) if present else None
 
     opd, off = best(OPD), best(TEACHER_OFF_POLICY)
-    lines = ["", "Targets:", ""]
+    lines = []
     for arm, label in ((opd, "best OPD"), (best(MIXED), "on-policy steps mixed into the teacher's "
                                                         "conversations")):
         if arm and off:
@@ -195,7 +195,7 @@ def _targets(by_method: dict[str, list[dict]], references: dict, start_name: str
                 f"student episodes")
         if rl_final - start <= noise:
             # Reaching the start is no achievement: say RL did not learn instead of a ratio.
-            line += (f" is within two standard errors of {start_name}'s {start:.3f}: RL "
+            line += (f" is within two standard errors of the {start_name}'s {start:.3f}: RL "
                      "did not learn, so the samples target cannot be read off this study")
             line += f" ({opd} passes it after {reached:,.0f})." if reached else "."
         else:
@@ -203,7 +203,7 @@ def _targets(by_method: dict[str, list[dict]], references: dict, start_name: str
                             f"({rl_episodes / reached:.1f}x fewer; target: at least 5x)."
                             if reached else f"{opd} never reaches it in its run.")
         lines.append(line + _reward_signal(by_method[RL]))
-    return lines if len(lines) > 3 else []  # a study with neither comparison has no targets
+    return ["", "Targets:", "", *lines] if lines else []
 
 
 def _sweep_table(studies: list[Path]) -> list[str]:
