@@ -38,6 +38,8 @@ Every method starts from the recipe's warm student and runs the recipe's trainer
                     (the default recipe)
     rl              the task reward alone (GRPO groups of 4, no teacher)
     opd_reward      the sampled-token reverse KL plus the task reward (groups of 4)
+                    (train.prompts_per_step=N sets every method's episodes per step; these
+                    two sample them as N/4 prompts, 4 times each)
     opd_sampled     the sampled-token reverse KL alone (the teacher read at sampled tokens)
     opd_topk20/64   forward KL against the teacher's top 20 / 64 with a tail bucket
 
@@ -104,8 +106,8 @@ ORACLE = "{oracle}"  # the prepared world's clean demonstrations, data/train.jso
 ON_POLICY = "loss.off_policy_fraction=0.0"
 SAMPLES_PER_PROMPT = 4
 GROUP_PROMPTS = "{group_prompts}"  # the recipe's prompts per step / SAMPLES_PER_PROMPT
-GROUPS = (f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}",
-          f"train.prompts_per_step={GROUP_PROMPTS}")
+GROUP_KEYS = ("rollout.samples_per_prompt", "train.prompts_per_step")
+GROUPS = (f"{GROUP_KEYS[0]}={SAMPLES_PER_PROMPT}", f"{GROUP_KEYS[1]}={GROUP_PROMPTS}")
 # method -> the config overrides that make it (on top of the recipe and the study's own)
 METHODS = {
     "opd_forward_kl": ["loss.direction=forward_kl", ON_POLICY],
@@ -333,6 +335,35 @@ def teacher_conversations(config, plugins, out: Path, seed: int) -> Path:
     return path
 
 
+def run_overrides(args, config, world: Path, method: str, seed: int, lr: float | None,
+                  steps: int, run_dir: Path, validation: Path, teacher_data: Path | None) -> list[str]:
+    """The config overrides of one run, later ones winning: the method's, the study's, the
+    user's, then what the study holds fixed (a grouped method's groups, the start, the swept
+    rate, the validation split)."""
+    resolved = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
+                .replace(GROUP_PROMPTS, str(max(1, config.train.prompts_per_step
+                                                // SAMPLES_PER_PROMPT)))
+                .replace(ORACLE, str(world / "data" / "train.jsonl"))
+                for o in METHODS[method]]
+    # A grouped method's split comes after the user's overrides: the user's
+    # train.prompts_per_step is every method's episodes per step, which RL samples as groups.
+    groups = [o for o in resolved if o.split("=")[0] in GROUP_KEYS]
+    overrides = [o for o in resolved if o not in groups] + [
+        f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
+        f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
+        "checkpoint.every=0", "checkpoint.resume=never",
+        f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
+        "eval.baseline=none", "eval.teacher=false", *args.overrides, *groups,
+        *([f"model.student={config.model.student}"] if args.start else []),
+        *([] if lr is None else [f"optim.lr={lr}"]),
+        # After the user's overrides: one naming data.eval (a world's held-out file) sets what
+        # the final student is measured on, never the curve's tasks.
+        f"data.eval={validation}"]
+    if args.jobs > 1:  # the cores are shared: one thread per run, or they oversubscribe
+        overrides.append("cluster.threads_per_rank=1")
+    return overrides
+
+
 def run_method(args, config, plugins, world: Path, out: Path, method: str, seed: int,
                lr: float | None, steps: int, validation: Path, teacher_data: Path | None) -> dict:
     """One training run through launch/train.py (at `lr`, or the method's own rate), then the
@@ -341,24 +372,8 @@ def run_method(args, config, plugins, world: Path, out: Path, method: str, seed:
 
     run_dir = out / "runs" / (f"{method}-seed{seed}" if lr is None else
                               f"{method}-lr{lr:g}-seed{seed}")
-    group_prompts = str(max(1, config.train.prompts_per_step // SAMPLES_PER_PROMPT))
-    overrides = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
-                 .replace(GROUP_PROMPTS, group_prompts)
-                 .replace(ORACLE, str(world / "data" / "train.jsonl"))
-                 for o in METHODS[method]]
-    overrides += [
-        f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
-        f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
-        "checkpoint.every=0", "checkpoint.resume=never",
-        f"eval.every={args.eval_every}", "eval.before=false", "eval.after=false",
-        "eval.baseline=none", "eval.teacher=false", *args.overrides,
-        *([f"model.student={config.model.student}"] if args.start else []),
-        *([] if lr is None else [f"optim.lr={lr}"]),
-        # After the user's overrides: one naming data.eval (a world's held-out file) sets what
-        # the final student is measured on, never the curve's tasks.
-        f"data.eval={validation}"]
-    if args.jobs > 1:  # the cores are shared: one thread per run, or they oversubscribe
-        overrides.append("cluster.threads_per_rank=1")
+    overrides = run_overrides(args, config, world, method, seed, lr, steps, run_dir, validation,
+                              teacher_data)
     command = [sys.executable, str(REPO / "launch" / "train.py"), "--recipe", args.recipe,
                *overrides]
     print(f"{method} seed {seed}: {' '.join(command[2:])}", flush=True)

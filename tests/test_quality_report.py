@@ -1,4 +1,5 @@
-"""bench/quality_report.py: the targets a study prints are read off its results honestly."""
+"""bench/quality.py and quality_report.py: a study runs what it says, and the targets it prints
+are read off its results honestly."""
 
 import importlib.util
 import json
@@ -103,14 +104,38 @@ def test_a_study_of_one_method_prints_no_targets(tmp_path, quality_report):
     assert "Targets:" not in (tmp_path / "quality.md").read_text()
 
 
-def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
-        tmp_path, quality_report, monkeypatch):
+@pytest.fixture
+def quality(quality_report, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # bench/quality.py imports quality_report
     spec = importlib.util.spec_from_file_location("quality", BENCH / "quality.py")
     assert spec is not None and spec.loader is not None
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
+
+@pytest.mark.parametrize("user", [[], ["train.prompts_per_step=8"]])
+def test_every_method_samples_as_many_episodes_per_step_as_the_user_asked(tmp_path, quality,
+                                                                           user):
+    from opd.config import load_config
+
+    recipe = str(BENCH.parent / "recipes" / "toolcalc_confirm.yaml")
+    args = quality.parse_args(["--recipe", recipe, *user])
+    config = load_config(recipe, None, args.overrides)
+    episodes = {}
+    for method in ("kd_teacher", "opd_hybrid_kl", "rl", "opd_reward"):
+        overrides = quality.run_overrides(args, config, tmp_path, method, 0, None, 10,
+                                          tmp_path / method, tmp_path / "validation.jsonl",
+                                          tmp_path / "teacher.jsonl")
+        run = load_config(recipe, None, overrides)
+        episodes[method] = run.train.prompts_per_step * run.rollout.samples_per_prompt
+        if method in ("rl", "opd_reward"):  # the reward's advantage is taken over a group
+            assert run.rollout.samples_per_prompt == 4
+    assert set(episodes.values()) == {config.train.prompts_per_step}, episodes
+
+
+def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
+        tmp_path, quality_report, quality):
     rows = []
     for lr, selection, heldout in ((2e-3, 0.10, 0.30), (8e-3, 0.20, 0.12), (1.6e-2, 0.20, 0.5)):
         row = result("kd_teacher", 0, heldout, [(200, 0.1)], 0)
