@@ -194,6 +194,15 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         config = load_config(args.recipe, None, args.overrides)
+    except OPDError as error:
+        sys.exit(f"error: {error}")
+    grouped = [method for method in methods if set(GROUPS) & set(METHODS[method])]
+    if grouped and config.train.prompts_per_step % SAMPLES_PER_PROMPT:
+        sys.exit(f"error: train.prompts_per_step={config.train.prompts_per_step} is not a "
+                 f"multiple of {SAMPLES_PER_PROMPT}: {', '.join(grouped)} sample each prompt "
+                 f"{SAMPLES_PER_PROMPT} times, so their episodes per step would differ from the "
+                 "other methods'.")
+    try:
         plugins = resolve_plugins(config)
         config = prepared(config, plugins)
     except OPDError as error:

@@ -134,6 +134,14 @@ def test_every_method_samples_as_many_episodes_per_step_as_the_user_asked(tmp_pa
     assert set(episodes.values()) == {config.train.prompts_per_step}, episodes
 
 
+def test_episodes_per_step_that_groups_cannot_split_are_refused_before_any_run(tmp_path, quality):
+    recipe = str(BENCH.parent / "recipes" / "toolcalc_confirm.yaml")
+    with pytest.raises(SystemExit, match=r"train.prompts_per_step=6 is not a multiple of 4: rl "):
+        quality.main(["--recipe", recipe, "--methods", "kd_teacher,rl", "--out", str(tmp_path),
+                      "train.prompts_per_step=6"])
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_a_swept_method_is_counted_at_the_rate_its_first_seed_picked_on_the_selection_split(
         tmp_path, quality_report, quality):
     rows = []
