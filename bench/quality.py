@@ -106,8 +106,8 @@ ORACLE = "{oracle}"  # the prepared world's clean demonstrations, data/train.jso
 ON_POLICY = "loss.off_policy_fraction=0.0"
 SAMPLES_PER_PROMPT = 4
 GROUP_PROMPTS = "{group_prompts}"  # the recipe's prompts per step / SAMPLES_PER_PROMPT
-GROUP_KEYS = ("rollout.samples_per_prompt", "train.prompts_per_step")
-GROUPS = (f"{GROUP_KEYS[0]}={SAMPLES_PER_PROMPT}", f"{GROUP_KEYS[1]}={GROUP_PROMPTS}")
+GROUPS = (f"rollout.samples_per_prompt={SAMPLES_PER_PROMPT}",
+          f"train.prompts_per_step={GROUP_PROMPTS}")
 # method -> the config overrides that make it (on top of the recipe and the study's own)
 METHODS = {
     "opd_forward_kl": ["loss.direction=forward_kl", ON_POLICY],
@@ -194,15 +194,12 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         config = load_config(args.recipe, None, args.overrides)
-    except OPDError as error:
-        sys.exit(f"error: {error}")
-    grouped = [method for method in methods if set(GROUPS) & set(METHODS[method])]
-    if grouped and config.train.prompts_per_step % SAMPLES_PER_PROMPT:
-        sys.exit(f"error: train.prompts_per_step={config.train.prompts_per_step} is not a "
-                 f"multiple of {SAMPLES_PER_PROMPT}: {', '.join(grouped)} sample each prompt "
-                 f"{SAMPLES_PER_PROMPT} times, so their episodes per step would differ from the "
-                 "other methods'.")
-    try:
+        grouped = [method for method in methods if set(GROUPS) & set(METHODS[method])]
+        if grouped and config.train.prompts_per_step % SAMPLES_PER_PROMPT:  # before preparing
+            sys.exit(f"error: train.prompts_per_step={config.train.prompts_per_step} is not a "
+                     f"multiple of {SAMPLES_PER_PROMPT}: {', '.join(grouped)} sample each prompt "
+                     f"{SAMPLES_PER_PROMPT} times, so their episodes per step would differ from "
+                     "the other methods'.")
         plugins = resolve_plugins(config)
         config = prepared(config, plugins)
     except OPDError as error:
@@ -349,15 +346,15 @@ def run_overrides(args, config, world: Path, method: str, seed: int, lr: float |
     """The config overrides of one run, later ones winning: the method's, the study's, the
     user's, then what the study holds fixed (a grouped method's groups, the start, the swept
     rate, the validation split)."""
-    resolved = [o.replace(TEACHER_CONVERSATIONS, str(teacher_data))
-                .replace(GROUP_PROMPTS, str(max(1, config.train.prompts_per_step
-                                                // SAMPLES_PER_PROMPT)))
-                .replace(ORACLE, str(world / "data" / "train.jsonl"))
-                for o in METHODS[method]]
+    def resolve(override: str) -> str:
+        return (override.replace(TEACHER_CONVERSATIONS, str(teacher_data))
+                .replace(GROUP_PROMPTS, str(config.train.prompts_per_step // SAMPLES_PER_PROMPT))
+                .replace(ORACLE, str(world / "data" / "train.jsonl")))
+
     # A grouped method's split comes after the user's overrides: the user's
     # train.prompts_per_step is every method's episodes per step, which RL samples as groups.
-    groups = [o for o in resolved if o.split("=")[0] in GROUP_KEYS]
-    overrides = [o for o in resolved if o not in groups] + [
+    groups = [resolve(o) for o in METHODS[method] if o in GROUPS]
+    overrides = [resolve(o) for o in METHODS[method] if o not in GROUPS] + [
         f"name=quality_{method}", f"seed={seed}", f"train.steps={steps}",
         f"logging.run_dir={run_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
         "checkpoint.every=0", "checkpoint.resume=never",
